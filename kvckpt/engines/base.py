@@ -1,0 +1,90 @@
+"""The engine interface: the few byte-level operations kvckpt needs from a key-value store.
+
+An engine knows nothing of torch or DCP. Keys are ``str``; values are bytes-like. A new backend
+is one module with one ``Engine`` subclass, registered under a URL scheme (see ``kvckpt.urls``).
+Engines must be picklable (``dcp.async_save`` with a process executor sends the writer to another
+process) and must open connections lazily so a pickled engine reconnects on first use.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+
+#: Anything with the buffer protocol that kvckpt hands to an engine as a value.
+BytesLike = bytes | bytearray | memoryview
+
+#: Called with (position in the requested keys, value or None if the key is missing). The view
+#: is only valid during the call: engines may hand out zero-copy views into their own memory.
+Consumer = Callable[[int, memoryview | None], None]
+
+#: Given the current values of the watched keys, returns the writes to apply atomically:
+#: key -> new value, or None to delete the key.
+Update = Callable[[list[bytes | None]], Mapping[str, bytes | None]]
+
+
+class Engine(ABC):
+    """A key-value store as kvckpt uses it.
+
+    Capability attributes (class or instance):
+
+    - ``max_value_bytes``: the largest value one key holds. Larger items are split into parts of
+      this size by the format layer, so every engine gets values it can store.
+    - ``shared``: whether other nodes see the same data (Redis) or only this node (LMDB).
+    """
+
+    max_value_bytes: int = 1 << 30
+    shared: bool = False
+
+    @property
+    @abstractmethod
+    def url(self) -> str:
+        """The URL this engine was opened from, with any password masked: safe to log."""
+
+    @property
+    @abstractmethod
+    def prefix(self) -> str:
+        """The namespace prefix under which kvckpt keeps every key of this store."""
+
+    @abstractmethod
+    def put_many(self, items: Iterable[tuple[str, BytesLike]]) -> None:
+        """Store many values, batched or pipelined. Values must not be copied more than once."""
+
+    @abstractmethod
+    def get_many(self, keys: Sequence[str], consume: Consumer) -> None:
+        """Fetch many values in as few round trips as the engine allows, handing each to
+        ``consume`` (zero-copy where the engine can)."""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """One small value (metadata), or None if the key does not exist."""
+
+    @abstractmethod
+    def scan(self, prefix: str) -> Iterator[str]:
+        """Every key starting with ``prefix``, in no particular order."""
+
+    @abstractmethod
+    def delete(self, keys: Iterable[str]) -> int:
+        """Delete keys in bounded batches; returns how many existed."""
+
+    @abstractmethod
+    def transact(self, watch: Sequence[str], update: Update) -> None:
+        """Atomic read-modify-write of a few small keys: reads ``watch``, calls ``update`` with
+        their values and applies the returned writes as one atomic operation. If a watched key
+        changes in between, the engine retries ``update`` with the new values."""
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key starting with ``prefix``."""
+        return self.delete(self.scan(prefix))
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections or file handles. The engine may be reopened by using it again."""
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

@@ -1,0 +1,308 @@
+"""LMDB engine: a per-node, memory-mapped store that needs no server.
+
+Why LMDB: readers run on MVCC snapshots and never block the writer; values are read straight
+out of the memory map (zero copy); a write transaction makes the metadata commit atomic; freed
+pages are reused, so repeated saves into a warm store overwrite memory that is already mapped.
+
+The map grows on demand: before a batch is written the map is enlarged to fit it, and a
+``MapFullError`` that still happens is answered by doubling the map and retrying, so it never
+reaches the user. LMDB forbids opening one environment twice in a process, so environments are
+shared per (process, path) and reference-counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import lmdb
+
+from ..errors import InvalidURLError, StoreUnavailableError
+from ..urls import (
+    DEFAULT_PREFIX,
+    parse_bool,
+    parse_size,
+    split_options,
+    take_option,
+    validate_name,
+)
+from .base import BytesLike, Consumer, Engine, Update
+
+_MIB = 1 << 20
+_GIB = 1 << 30
+#: How many bytes one write transaction carries before it commits (bounds dirty pages).
+_TXN_BYTES = 1 * _GIB
+_DELETE_BATCH = 10_000
+
+
+class _SharedEnv:
+    """One open ``lmdb.Environment`` per (pid, real path), shared by every engine using it."""
+
+    _lock = threading.Lock()
+    _envs: dict[tuple[int, str], _SharedEnv] = {}
+
+    def __init__(self, path: str, map_size: int, sync: bool, writemap: bool) -> None:
+        self.env = lmdb.open(
+            path,
+            map_size=map_size,
+            subdir=True,
+            max_readers=1024,
+            writemap=writemap,
+            sync=sync,
+            metasync=sync,
+            readahead=False,
+            lock=True,
+        )
+        self.refs = 0
+        # Serializes this process's writers.
+        self.write_lock = threading.Lock()
+        # set_mapsize remaps the file: no read transaction of this process may be open then,
+        # or its zero-copy views would point at unmapped memory. Readers count themselves here.
+        self._readers = 0
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._cond:
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    def set_mapsize(self, size: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._readers == 0)
+            self.env.set_mapsize(size)
+
+    @classmethod
+    def acquire(cls, path: str, **kwargs: Any) -> _SharedEnv:
+        key = (os.getpid(), os.path.realpath(path))
+        with cls._lock:
+            shared = cls._envs.get(key)
+            if shared is None:
+                shared = cls._envs[key] = cls(path, **kwargs)
+            shared.refs += 1
+            return shared
+
+    @classmethod
+    def release(cls, path: str) -> None:
+        key = (os.getpid(), os.path.realpath(path))
+        with cls._lock:
+            shared = cls._envs.get(key)
+            if shared is None:
+                return
+            shared.refs -= 1
+            if shared.refs <= 0:
+                del cls._envs[key]
+                shared.env.close()
+
+
+class LMDBEngine(Engine):
+    """``lmdb:///abs/dir[?prefix=NAME&map_size=1GiB&sync=1&writemap=1&part_bytes=1GiB]``"""
+
+    shared = False
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        map_size: int = 1 * _GIB,
+        sync: bool = True,
+        writemap: bool = True,
+        part_bytes: int = 1 * _GIB,
+    ) -> None:
+        if not os.path.isabs(path):
+            raise InvalidURLError(
+                f"LMDB path {path!r} is not absolute: write lmdb:///absolute/dir "
+                "(three slashes), e.g. lmdb:///dev/shm/ckpt"
+            )
+        self.path = path
+        self._prefix = validate_name(prefix, "prefix", 128)
+        self._options = dict(map_size=map_size, sync=sync, writemap=writemap)
+        self.max_value_bytes = part_bytes
+        self._shared: _SharedEnv | None = None
+        self._pid = os.getpid()
+
+    @classmethod
+    def from_url(cls, url: str) -> LMDBEngine:
+        parts, opts = split_options(url)
+        if parts.netloc not in ("", "localhost"):
+            raise InvalidURLError(
+                f"LMDB URL {url!r} names a host ({parts.netloc!r}); LMDB is local: write "
+                f"lmdb:///absolute/dir"
+            )
+        kwargs = dict(
+            prefix=take_option(opts, "prefix", url, validate_name, DEFAULT_PREFIX),
+            map_size=take_option(opts, "map_size", url, parse_size, 1 * _GIB),
+            sync=take_option(opts, "sync", url, parse_bool, True),
+            writemap=take_option(opts, "writemap", url, parse_bool, True),
+            part_bytes=take_option(opts, "part_bytes", url, parse_size, 1 * _GIB),
+        )
+        if opts:
+            raise InvalidURLError(
+                f"unknown option(s) {sorted(opts)} in LMDB URL {url!r}; known: prefix, "
+                "map_size, sync, writemap, part_bytes"
+            )
+        return cls(parts.path, **kwargs)
+
+    @property
+    def url(self) -> str:
+        return f"lmdb://{self.path}?prefix={self._prefix}"
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    def __reduce__(self) -> Any:
+        return (_rebuild, (self.path, self._prefix, self._options, self.max_value_bytes))
+
+    # -- environment ----------------------------------------------------------------------
+
+    @property
+    def _env(self) -> _SharedEnv:
+        if self._shared is None or self._pid != os.getpid():
+            try:
+                os.makedirs(self.path, exist_ok=True)
+                self._shared = _SharedEnv.acquire(self.path, **self._options)
+            except (OSError, lmdb.Error) as e:
+                raise StoreUnavailableError(
+                    f"cannot open LMDB environment at {self.path}: {e}. Check that the "
+                    "directory is writable and on a local filesystem (e.g. /dev/shm)."
+                ) from e
+            self._pid = os.getpid()
+        return self._shared
+
+    def close(self) -> None:
+        if self._shared is not None and self._pid == os.getpid():
+            _SharedEnv.release(self.path)
+        self._shared = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def _grow(self, shared: _SharedEnv, needed: int) -> None:
+        """Enlarge the map so at least ``needed`` more bytes fit (caller holds write_lock)."""
+        env = shared.env
+        info, psize = env.info(), env.stat()["psize"]
+        used = (info["last_pgno"] + 1) * psize
+        want = used + needed + needed // 8 + 64 * _MIB
+        if want > info["map_size"]:
+            new = max(want, 2 * info["map_size"])
+            shared.set_mapsize(-(-new // _GIB) * _GIB if new > _GIB else new)
+
+    def _write(self, apply: Any, nbytes: int) -> Any:
+        """Run ``apply(txn)`` in one write transaction, growing the map until it fits."""
+        shared = self._env
+        with shared.write_lock:
+            self._grow(shared, nbytes)
+            for _attempt in range(32):
+                try:
+                    with shared.env.begin(write=True) as txn:
+                        return apply(txn)
+                except lmdb.MapFullError:
+                    shared.set_mapsize(2 * shared.env.info()["map_size"])
+                except lmdb.MapResizedError:
+                    # Another process grew the map: adopt its size and retry.
+                    shared.set_mapsize(0)
+            raise StoreUnavailableError(f"LMDB map at {self.path} could not grow enough")
+
+    @contextmanager
+    def _read_txn(self) -> Iterator[lmdb.Transaction]:
+        shared = self._env
+        for _attempt in range(3):
+            with shared.reading():
+                try:
+                    txn = shared.env.begin(buffers=True)
+                except lmdb.MapResizedError:
+                    txn = None  # another process grew the map; adopt its size below
+                if txn is not None:
+                    with txn:
+                        yield txn
+                    return
+            shared.set_mapsize(0)
+        raise StoreUnavailableError(f"LMDB map at {self.path} keeps being resized")
+
+    # -- Engine interface ---------------------------------------------------------------------
+
+    def put_many(self, items: Iterable[tuple[str, BytesLike]]) -> None:
+        batch: list[tuple[bytes, BytesLike]] = []
+        size = 0
+        for key, value in items:
+            batch.append((key.encode(), value))
+            size += memoryview(value).nbytes
+            if size >= _TXN_BYTES:
+                self._put_batch(batch, size)
+                batch, size = [], 0
+        if batch:
+            self._put_batch(batch, size)
+
+    def _put_batch(self, batch: list[tuple[bytes, BytesLike]], size: int) -> None:
+        def apply(txn: lmdb.Transaction) -> None:
+            for k, v in batch:
+                txn.put(k, v)
+
+        self._write(apply, size + 64 * len(batch))
+
+    def get_many(self, keys: Sequence[str], consume: Consumer) -> None:
+        with self._read_txn() as txn:
+            for i, key in enumerate(keys):
+                consume(i, txn.get(key.encode()))
+
+    def get(self, key: str) -> bytes | None:
+        with self._read_txn() as txn:
+            value = txn.get(key.encode())
+            return None if value is None else bytes(value)
+
+    def scan(self, prefix: str) -> Iterator[str]:
+        start = prefix.encode()
+        keys: list[str] = []
+        with self._read_txn() as txn:
+            cursor = txn.cursor()
+            if cursor.set_range(start):
+                for key in cursor.iternext(keys=True, values=False):
+                    key = bytes(key)
+                    if not key.startswith(start):
+                        break
+                    keys.append(key.decode())
+        return iter(keys)
+
+    def delete(self, keys: Iterable[str]) -> int:
+        deleted = 0
+        batch: list[bytes] = []
+
+        def apply(txn: lmdb.Transaction) -> int:
+            return sum(1 for k in batch if txn.delete(k))
+
+        for key in keys:
+            batch.append(key.encode())
+            if len(batch) >= _DELETE_BATCH:
+                deleted += self._write(apply, 0)
+                batch = []
+        if batch:
+            deleted += self._write(apply, 0)
+        return deleted
+
+    def transact(self, watch: Sequence[str], update: Update) -> None:
+        def apply(txn: lmdb.Transaction) -> None:
+            current = [txn.get(k.encode()) for k in watch]
+            writes = update([None if v is None else bytes(v) for v in current])
+            for k, v in writes.items():
+                if v is None:
+                    txn.delete(k.encode())
+                else:
+                    txn.put(k.encode(), v)
+
+        self._write(apply, 1 * _MIB)
+
+
+def _rebuild(path: str, prefix: str, options: dict[str, Any], part_bytes: int) -> LMDBEngine:
+    return LMDBEngine(path, prefix=prefix, part_bytes=part_bytes, **options)

@@ -1,0 +1,43 @@
+"""Exceptions kvckpt raises.
+
+Every error names what went wrong and how to fix it: which checkpoint, which key, which URL (with
+any password masked). They share one base class so a training script can catch them together.
+"""
+
+from __future__ import annotations
+
+
+class KVCheckpointError(Exception):
+    """Base class of every kvckpt error."""
+
+
+class InvalidURLError(KVCheckpointError, ValueError):
+    """A store URL that kvckpt cannot parse or has no engine for."""
+
+
+class InvalidCheckpointIdError(KVCheckpointError, ValueError):
+    """A checkpoint id (or prefix) that would break the key schema."""
+
+
+class StoreUnavailableError(KVCheckpointError, ConnectionError):
+    """The store could not be reached or opened."""
+
+
+class CheckpointNotFoundError(KVCheckpointError, LookupError):
+    """No committed checkpoint has the requested id."""
+
+
+class MetadataError(KVCheckpointError, ValueError):
+    """Stored metadata is corrupt, malformed or not kvckpt's."""
+
+
+class UnsupportedFormatVersionError(MetadataError):
+    """Stored metadata was written by a newer kvckpt."""
+
+
+class DataError(KVCheckpointError):
+    """A data value is missing or has the wrong size: the checkpoint is damaged."""
+
+
+class UnsafeObjectError(KVCheckpointError):
+    """A stored object would need unrestricted unpickling to load."""

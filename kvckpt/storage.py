@@ -1,0 +1,527 @@
+"""The DCP adapter: ``KVStorageWriter`` and ``KVStorageReader``.
+
+This is the only module that knows DCP's storage API. It turns each write item into the key
+schema of docs/FORMAT.md, hands tensor bytes to the engine without copying them, and on load
+copies each stored value straight from the engine's buffer into the planner's destination
+tensor (narrowing it when the load reshards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import uuid
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from .engines.base import Engine
+from .errors import (
+    CheckpointNotFoundError,
+    DataError,
+    InvalidCheckpointIdError,
+    KVCheckpointError,
+    MetadataError,
+    UnsafeObjectError,
+)
+from .format import (
+    CheckpointRecord,
+    ItemLocation,
+    decode_metadata,
+    encode_metadata,
+    meta_key,
+    meta_prefix,
+    parse_meta_key,
+    part_ranges,
+)
+from .urls import open_store, validate_name
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_BATCH_BYTES = 256 << 20
+
+
+def _new_save_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _checkpoint_id(value: str | os.PathLike | None) -> str | None:
+    if value is None:
+        return None
+    return validate_name(os.fspath(value))
+
+
+@dataclass(frozen=True)
+class _PlanData:
+    """``SavePlan.storage_data``: which save and rank a plan's keys belong to."""
+
+    save_id: str
+    rank: int
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a tensor's contiguous projection, without a copy when it is contiguous.
+
+    A view is taken as the elements it shows (never its whole backing storage); a tensor on
+    another device is copied to the CPU, as DCP's own writers do.
+    """
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    # numpy keeps the tensor alive for as long as the memoryview exists.
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+class _KVStorageBase:
+    engine: Engine
+    checkpoint_id: str | None
+
+    def _require_id(self) -> str:
+        if self.checkpoint_id is None:
+            raise InvalidCheckpointIdError(
+                f"no checkpoint id for {self.engine.url}: pass checkpoint_id=... to dcp.save / "
+                f"dcp.load or to {type(self).__name__}(...)"
+            )
+        return self.checkpoint_id
+
+    def close(self) -> None:
+        """Release the store's connections (it reopens on next use)."""
+        self.engine.close()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            _checkpoint_id(checkpoint_id)
+        except InvalidCheckpointIdError:
+            return False
+        return True
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.engine.url!r}, checkpoint_id={self.checkpoint_id!r})"
+
+
+class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
+    """DCP ``StorageWriter`` that saves into a key-value store.
+
+    Args:
+        store: a store URL (``lmdb:///dev/shm/ckpt``, ``redis://host:6379/0``, ...) or an engine.
+        checkpoint_id: the checkpoint's name, used when ``dcp.save`` gets no ``checkpoint_id``.
+        overwrite: if False, saving over an existing checkpoint id raises instead of replacing
+            it. Replacing is atomic either way: readers see the old or the new checkpoint.
+        cache_staged_state_dict: reuse one staging copy across ``dcp.async_save`` calls (as
+            DCP's ``FileSystemWriter``).
+    """
+
+    def __init__(
+        self,
+        store: str | Engine,
+        *,
+        checkpoint_id: str | os.PathLike | None = None,
+        overwrite: bool = True,
+        cache_staged_state_dict: bool = False,
+    ) -> None:
+        super().__init__()
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        self.engine = open_store(store)
+        self.checkpoint_id = _checkpoint_id(checkpoint_id)
+        self.overwrite = overwrite
+        self.save_id = _new_save_id()
+        self.rank: int | None = None
+        self.use_collectives = True
+
+    # -- DCP StorageWriter -------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.checkpoint_id = _checkpoint_id(checkpoint_id)
+        self.save_id = _new_save_id()
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+        self.is_coordinator = is_coordinator
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+
+    def _local_rank_key(self) -> int | None:
+        return None if self.use_collectives else (self.rank or 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        checkpoint_id = self._require_id()
+        if not self.overwrite:
+            key = meta_key(self.engine.prefix, checkpoint_id, self._local_rank_key())
+            if self.engine.get(key) is not None:
+                raise KVCheckpointError(
+                    f"checkpoint {checkpoint_id!r} already exists in {self.engine.url} and "
+                    "overwrite=False: choose a new checkpoint id, delete the old one, or pass "
+                    "overwrite=True"
+                )
+        if not self.use_collectives:
+            plan = dataclasses.replace(plan, storage_data=_PlanData(self.save_id, self.rank or 0))
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [
+            plan
+            if isinstance(plan.storage_data, _PlanData)
+            else dataclasses.replace(plan, storage_data=_PlanData(self.save_id, rank))
+            for rank, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        checkpoint_id = self._require_id()
+        where: _PlanData = plan.storage_data
+        self.save_id = where.save_id
+        part_bytes = int(self.engine.max_value_bytes)
+        prefix = self.engine.prefix
+        results: list[WriteResult] = []
+
+        def values() -> Iterator[tuple[str, memoryview]]:
+            # Lazy: each item is resolved (and, for GPU tensors, copied to the CPU) only when
+            # the engine is ready to send it, so at most one batch is held at a time.
+            for n, item in enumerate(plan.items):
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    view = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+                else:
+                    view = tensor_bytes(data)
+                loc = ItemLocation(where.rank, n, view.nbytes, part_bytes)
+                results.append(
+                    WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=loc)
+                )
+                keys = loc.keys(prefix, checkpoint_id, where.save_id)
+                for (start, stop), key in zip(
+                    part_ranges(view.nbytes, part_bytes), keys, strict=True
+                ):
+                    yield key, view[start:stop]
+
+        try:
+            self.engine.put_many(values())
+        except BaseException:
+            self._discard_partial(checkpoint_id, where)
+            raise
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _discard_partial(self, checkpoint_id: str, where: _PlanData) -> None:
+        """Best effort: drop what this rank wrote of a save that failed (gc catches the rest)."""
+        from .format import data_prefix
+
+        try:
+            self.engine.delete_prefix(
+                f"{data_prefix(self.engine.prefix, checkpoint_id, where.save_id)}{where.rank}/"
+            )
+        except Exception:  # the store may be what failed
+            logger.warning(
+                "could not clean up the partial save of %r in %s", checkpoint_id, self.engine.url
+            )
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        checkpoint_id = self._require_id()
+        locations: dict[MetadataIndex, ItemLocation] = {
+            wr.index: wr.storage_data for rank_results in results for wr in rank_results
+        }
+        rank = self._local_rank_key()
+        if dist.is_available() and dist.is_initialized():
+            world_size = dist.get_world_size()
+        else:
+            world_size = max(len(results), 1)
+        metadata.storage_meta = self.storage_meta()
+        raw = encode_metadata(
+            metadata,
+            locations,
+            checkpoint_id=checkpoint_id,
+            save_id=self.save_id,
+            world_size=world_size,
+            rank=rank,
+        )
+        key = meta_key(self.engine.prefix, checkpoint_id, rank)
+        replaced: list[bytes] = []
+
+        def commit(current: list[bytes | None]) -> dict[str, bytes | None]:
+            replaced[:] = [v for v in current if v is not None]
+            return {key: raw}
+
+        self.engine.transact([key], commit)
+        if replaced:
+            self._delete_replaced(replaced[0], checkpoint_id)
+
+    def _delete_replaced(self, old: bytes, checkpoint_id: str) -> None:
+        """After the commit, drop the data of the save the new metadata replaced."""
+        try:
+            record = decode_metadata(old, where=f"replaced checkpoint {checkpoint_id!r}")
+        except MetadataError as e:
+            logger.warning("not deleting the data of a replaced save: %s (run gc)", e)
+            return
+        if record.save_id != self.save_id:
+            self.engine.delete(record.data_keys(self.engine.prefix))
+
+
+class KVStorageReader(_KVStorageBase, StorageReader):
+    """DCP ``StorageReader`` that loads from a key-value store.
+
+    Args:
+        store: a store URL or an engine.
+        checkpoint_id: the checkpoint to load when ``dcp.load`` gets no ``checkpoint_id``.
+        weights_only: load non-tensor objects under ``torch.load(weights_only=True)`` rules
+            (the default), so a store that others can write to cannot run code in this
+            process. Pass False only for a store you trust with objects that need it.
+        batch_bytes: how many bytes to request from the engine per batch (bounds memory).
+    """
+
+    def __init__(
+        self,
+        store: str | Engine,
+        *,
+        checkpoint_id: str | os.PathLike | None = None,
+        weights_only: bool = True,
+        batch_bytes: int = _DEFAULT_BATCH_BYTES,
+    ) -> None:
+        super().__init__()
+        self.engine = open_store(store)
+        self.checkpoint_id = _checkpoint_id(checkpoint_id)
+        self.weights_only = weights_only
+        self.batch_bytes = batch_bytes
+        self.load_id = _new_save_id()
+        self._record: CheckpointRecord | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.checkpoint_id = _checkpoint_id(checkpoint_id)
+        self.load_id = _new_save_id()
+        self._record = None
+
+    def read_record(self, rank: int | None = None) -> CheckpointRecord:
+        """The checkpoint's decoded metadata (kvckpt's fields and DCP's ``Metadata``)."""
+        checkpoint_id = self._require_id()
+        raw = self.engine.get(meta_key(self.engine.prefix, checkpoint_id, rank))
+        if raw is None:
+            raise CheckpointNotFoundError(self._not_found(checkpoint_id, rank))
+        where = f"checkpoint {checkpoint_id!r} in {self.engine.url}"
+        record = decode_metadata(raw, where=where)
+        if record.checkpoint_id != checkpoint_id:
+            raise MetadataError(
+                f"metadata stored for {where} names checkpoint {record.checkpoint_id!r}: the "
+                "value was copied or overwritten under the wrong key"
+            )
+        return record
+
+    def _not_found(self, checkpoint_id: str, rank: int | None) -> str:
+        found: set[str] = set()
+        for key in self.engine.scan(meta_prefix(self.engine.prefix)):
+            parsed = parse_meta_key(self.engine.prefix, key)
+            if parsed is not None:
+                found.add(parsed[0])
+        what = f"checkpoint {checkpoint_id!r}" + ("" if rank is None else f" (rank {rank})")
+        if not found:
+            return f"{what} not found in {self.engine.url}: the store has no checkpoints"
+        names = sorted(found)
+        shown = ", ".join(repr(n) for n in names[:50])
+        more = f" and {len(names) - 50} more" if len(names) > 50 else ""
+        return f"{what} not found in {self.engine.url}; checkpoints there: {shown}{more}"
+
+    # -- DCP StorageReader --------------------------------------------------------------------
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        self._record = self.read_record(kwargs.get("rank"))
+        metadata = self._record.metadata
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if self._record is None or self._record.metadata is not metadata:
+            raise KVCheckpointError("set_up_storage_reader got metadata this reader did not read")
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        record = self._record
+        if record is None:
+            raise KVCheckpointError("read_data called before read_metadata")
+        groups: dict[MetadataIndex, list[ReadItem]] = {}
+        for req in plan.items:
+            groups.setdefault(req.storage_index, []).append(req)
+        batch: list[_ItemRead] = []
+        size = 0
+        with warnings.catch_warnings():
+            # Engines hand out read-only buffers; torch warns on wrapping them, but kvckpt only
+            # ever reads from them.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            for index, reqs in groups.items():
+                loc = record.locations.get(index)
+                if loc is None:
+                    raise DataError(
+                        f"checkpoint {record.checkpoint_id!r} in {self.engine.url} has no item "
+                        f"{index.fqn!r} at offset {list(index.offset or [])}"
+                    )
+                batch.append(_ItemRead(self, record, index, loc, reqs, planner))
+                size += loc.nbytes
+                if size >= self.batch_bytes:
+                    self._read_batch(batch)
+                    batch, size = [], 0
+            if batch:
+                self._read_batch(batch)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_batch(self, batch: list[_ItemRead]) -> None:
+        keys: list[str] = []
+        slots: list[tuple[_ItemRead, int, int]] = []
+        for item in batch:
+            item_keys = item.loc.keys(
+                self.engine.prefix, item.record.checkpoint_id, item.record.save_id
+            )
+            for key, (start, stop) in zip(item_keys, item.ranges, strict=True):
+                keys.append(key)
+                slots.append((item, start, stop))
+
+        def consume(i: int, view: memoryview | None) -> None:
+            item, start, stop = slots[i]
+            if view is None:
+                raise DataError(
+                    f"checkpoint {item.record.checkpoint_id!r} in {self.engine.url} is damaged: "
+                    f"key {keys[i]!r} of {item.index.fqn!r} is missing (deleted, evicted or "
+                    "expired)"
+                )
+            if view.nbytes != stop - start:
+                raise DataError(
+                    f"checkpoint {item.record.checkpoint_id!r} in {self.engine.url} is damaged: "
+                    f"key {keys[i]!r} of {item.index.fqn!r} holds {view.nbytes} bytes, "
+                    f"expected {stop - start}"
+                )
+            item.add_part(start, view)
+
+        self.engine.get_many(keys, consume)
+
+
+class _ItemRead:
+    """Reassembles one stored item from its parts and applies it to every read request."""
+
+    def __init__(
+        self,
+        reader: KVStorageReader,
+        record: CheckpointRecord,
+        index: MetadataIndex,
+        loc: ItemLocation,
+        reqs: list[ReadItem],
+        planner: LoadPlanner,
+    ) -> None:
+        self.reader, self.record, self.index, self.loc = reader, record, index, loc
+        self.reqs, self.planner = reqs, planner
+        self.ranges = part_ranges(loc.nbytes, loc.part_bytes)
+        self.remaining = len(self.ranges)
+        self.buffer: torch.Tensor | None = None  # assembly of a multi-part item
+        self.direct: torch.Tensor | None = None  # destination bytes when parts go straight in
+        if self.remaining > 1 and index.offset is not None and len(reqs) == 1:
+            self._try_direct()
+
+    def _tensor_meta(self) -> tuple[torch.dtype, list[int]]:
+        md = self.record.metadata.state_dict_metadata[self.index.fqn]
+        for chunk in md.chunks:  # type: ignore[union-attr]
+            if chunk.offsets == self.index.offset:
+                return md.properties.dtype, list(chunk.sizes)  # type: ignore[union-attr]
+        raise DataError(f"no chunk of {self.index.fqn!r} at {self.index.offset}")
+
+    def _try_direct(self) -> None:
+        req = self.reqs[0]
+        dtype, sizes = self._tensor_meta()
+        if any(req.storage_offsets) or list(req.lengths) != sizes:
+            return
+        target = self.planner.resolve_tensor(req).detach()
+        if target.dtype == dtype and target.is_contiguous() and target.device.type == "cpu":
+            self.target = target
+            self.direct = target.reshape(-1).view(torch.uint8)
+
+    def add_part(self, start: int, view: memoryview) -> None:
+        self.remaining -= 1
+        if len(self.ranges) == 1:
+            self._apply(view)
+            return
+        if view.nbytes:
+            src = torch.frombuffer(view, dtype=torch.uint8)
+            if self.direct is not None:
+                self.direct[start : start + view.nbytes].copy_(src)
+            else:
+                if self.buffer is None:
+                    self.buffer = torch.empty(self.loc.nbytes, dtype=torch.uint8)
+                self.buffer[start : start + view.nbytes].copy_(src)
+        if self.remaining == 0:
+            if self.direct is not None:
+                self.planner.commit_tensor(self.reqs[0], self.target)
+            else:
+                assert self.buffer is not None
+                self._apply(memoryview(self.buffer.numpy()))
+
+    def _apply(self, view: memoryview) -> None:
+        if self.index.offset is None:
+            self._load_object(view)
+            return
+        dtype, sizes = self._tensor_meta()
+        if view.nbytes:
+            src = torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(sizes)
+        else:
+            src = torch.empty(sizes, dtype=dtype)
+        for req in self.reqs:
+            part = narrow_tensor_by_index(src, req.storage_offsets, req.lengths)
+            target = self.planner.resolve_tensor(req).detach()
+            if target.size() != part.size():
+                raise DataError(
+                    f"{req.storage_index.fqn!r}: the load plan wants shape {list(target.size())} "
+                    f"but the checkpoint holds {list(part.size())}"
+                )
+            target.copy_(part)
+            self.planner.commit_tensor(req, target)
+
+    def _load_object(self, view: memoryview) -> None:
+        data = bytes(view)
+        if self.reader.weights_only:
+            try:
+                torch.load(io.BytesIO(data), weights_only=True)
+            except Exception as e:
+                raise UnsafeObjectError(
+                    f"object {self.index.fqn!r} in checkpoint {self.record.checkpoint_id!r} "
+                    f"({self.reader.engine.url}) cannot be loaded under torch.load("
+                    f"weights_only=True) rules: {type(e).__name__}: {str(e)[:300]}. If you trust "
+                    "everyone who can write to this store, pass "
+                    "KVStorageReader(..., weights_only=False)."
+                ) from None
+        for req in self.reqs:
+            if req.type != LoadItemType.BYTE_IO:
+                raise DataError(f"{self.index.fqn!r} is stored as an object, not a tensor")
+            self.planner.load_bytes(req, io.BytesIO(data))
