@@ -11,10 +11,10 @@ import re
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
-from urllib.parse import SplitResult, parse_qsl, urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 from .engines.base import Engine
-from .errors import InvalidURLError
+from .errors import InvalidURLError, KVCheckpointError
 
 DEFAULT_PREFIX = "kvckpt"
 ENTRY_POINT_GROUP = "kvckpt.engines"
@@ -39,7 +39,9 @@ def mask_url(url: str) -> str:
             # redis://secret@host: a lone userinfo is taken as the password by redis-py.
             netloc = f"***@{hostport}"
     query = re.sub(r"(?i)(password=)[^&]*", r"\1***", parts.query)
-    return urlunsplit(SplitResult(parts.scheme, netloc, parts.path, query, parts.fragment))
+    if netloc == parts.netloc and query == parts.query:
+        return url
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
 
 
 def split_options(url: str) -> tuple[SplitResult, dict[str, str]]:
@@ -64,6 +66,10 @@ def validate_name(name: str, what: str = "checkpoint id", max_len: int = 200) ->
     return name
 
 
+def validate_prefix(prefix: str) -> str:
+    return validate_name(prefix, "prefix", 128)
+
+
 def take_option(
     options: dict[str, str], name: str, url: str, convert: Callable[[str], Any], default: Any
 ) -> Any:
@@ -73,9 +79,10 @@ def take_option(
     raw = options.pop(name)
     try:
         return convert(raw)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError) as e:
+        why = f": {e}" if isinstance(e, KVCheckpointError) else ""
         raise InvalidURLError(
-            f"bad value {raw!r} for option {name!r} in store URL {mask_url(url)}"
+            f"bad value {raw!r} for option {name!r} in store URL {mask_url(url)}{why}"
         ) from None
 
 

@@ -28,7 +28,7 @@ from ..urls import (
     parse_size,
     split_options,
     take_option,
-    validate_name,
+    validate_prefix,
 )
 from .base import BytesLike, Consumer, Engine, Update
 
@@ -125,7 +125,7 @@ class LMDBEngine(Engine):
                 "(three slashes), e.g. lmdb:///dev/shm/ckpt"
             )
         self.path = path
-        self._prefix = validate_name(prefix, "prefix", 128)
+        self._prefix = validate_prefix(prefix)
         self._options = dict(map_size=map_size, sync=sync, writemap=writemap)
         self.max_value_bytes = part_bytes
         self._shared: _SharedEnv | None = None
@@ -140,7 +140,7 @@ class LMDBEngine(Engine):
                 f"lmdb:///absolute/dir"
             )
         kwargs = dict(
-            prefix=take_option(opts, "prefix", url, validate_name, DEFAULT_PREFIX),
+            prefix=take_option(opts, "prefix", url, validate_prefix, DEFAULT_PREFIX),
             map_size=take_option(opts, "map_size", url, parse_size, 1 * _GIB),
             sync=take_option(opts, "sync", url, parse_bool, True),
             writemap=take_option(opts, "writemap", url, parse_bool, True),

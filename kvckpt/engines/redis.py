@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import redis
 
 from ..errors import InvalidURLError, StoreUnavailableError
-from ..urls import DEFAULT_PREFIX, mask_url, parse_size, split_options, take_option, validate_name
+from ..urls import DEFAULT_PREFIX, mask_url, parse_size, split_options, take_option, validate_prefix
 from .base import BytesLike, Consumer, Engine, Update
 
 _MIB = 1 << 20
@@ -84,7 +84,7 @@ class RedisEngine(Engine):
             )
         self._raw_url = url
         self._redis_url = redis_url or url
-        self._prefix = validate_name(prefix, "prefix", 128)
+        self._prefix = validate_prefix(prefix)
         self.max_value_bytes = part_bytes
         self.pipeline_bytes = pipeline_bytes
         self._client_obj: redis.Redis | None = None
@@ -108,7 +108,7 @@ class RedisEngine(Engine):
         except ValueError:
             raise InvalidURLError(f"Redis URL {mask_url(url)} has an invalid port") from None
         ours = dict(
-            prefix=take_option(opts, "prefix", url, validate_name, DEFAULT_PREFIX),
+            prefix=take_option(opts, "prefix", url, validate_prefix, DEFAULT_PREFIX),
             part_bytes=take_option(opts, "part_bytes", url, parse_size, 64 * _MIB),
             pipeline_bytes=take_option(opts, "pipeline_bytes", url, parse_size, 256 * _MIB),
         )

@@ -1,0 +1,333 @@
+"""DCP save/load through kvckpt in one process (no process group), on real LMDB and Redis."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from kvckpt import (
+    CheckpointNotFoundError,
+    InvalidCheckpointIdError,
+    KVStorageReader,
+    KVStorageWriter,
+    MetadataError,
+    StoreUnavailableError,
+    UnsupportedFormatVersionError,
+    open_store,
+)
+from kvckpt.format import meta_key
+
+
+def mixed_state_dict() -> dict:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 64, generator=g)
+    return {
+        "f32": torch.randn(33, 17, generator=g),
+        "bf16": torch.randn(128, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(5, 3, generator=g).half(),
+        "f64": torch.randn(7, generator=g).double(),
+        "fp8": torch.randn(16, generator=g).to(torch.float8_e4m3fn),
+        "fp8b": torch.randn(16, generator=g).to(torch.float8_e5m2),
+        "bool": torch.rand(9, generator=g) > 0.5,
+        "i8": torch.randint(-128, 127, (10,), dtype=torch.int8, generator=g),
+        "u8": torch.randint(0, 255, (10,), dtype=torch.uint8, generator=g),
+        "i32": torch.randint(-(2**31), 2**31 - 1, (4, 4), dtype=torch.int32, generator=g),
+        "i64": torch.arange(-5, 5, dtype=torch.int64),
+        "c64": torch.randn(6, dtype=torch.complex64, generator=g),
+        "c128": torch.randn(3, 2, dtype=torch.complex128, generator=g),
+        "scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 4),
+        "view": base[10:12],  # a view must not drag its 16 KiB storage along
+        "strided": base[::3, 1::2],  # non-contiguous
+        "transposed": base.t(),
+        "nan_inf": torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0]),
+        "nested": {"inner": torch.ones(3), "step": 7, "name": "adam", "betas": (0.9, 0.99)},
+        "list": [torch.zeros(2), 5],
+    }
+
+
+def zeros_like_sd(sd: dict) -> dict:
+    def z(v):
+        if isinstance(v, torch.Tensor):
+            return torch.zeros_like(v) if v.dtype != torch.bool else torch.zeros_like(v)
+        if isinstance(v, dict):
+            return {k: z(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [z(x) for x in v]
+        return None if not isinstance(v, int | float | str | tuple) else type(v)()
+
+    return {k: z(v) for k, v in sd.items()}
+
+
+def assert_bit_equal(a, b, path="sd") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_bit_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_bit_equal(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+def save(sd, url, cid="step-1", **kw):
+    dcp.save(sd, storage_writer=KVStorageWriter(url, **kw), checkpoint_id=cid)
+
+
+def load(sd, url, cid="step-1", **kw):
+    dcp.load(sd, storage_reader=KVStorageReader(url, **kw), checkpoint_id=cid)
+    return sd
+
+
+def test_mixed_dtypes_round_trip_bit_exact(store_url: str) -> None:
+    sd = mixed_state_dict()
+    save(sd, store_url)
+    out = load(zeros_like_sd(sd), store_url)
+    assert_bit_equal(sd, out)
+
+
+def test_a_view_stores_only_its_elements(store_url: str) -> None:
+    base = torch.randn(1024, 1024)
+    save({"v": base[:2]}, store_url)
+    record = KVStorageReader(store_url, checkpoint_id="step-1").read_record()
+    assert record.total_bytes == 2 * 1024 * 4
+
+
+def test_values_are_raw_bytes_not_torch_save(store_url: str) -> None:
+    t = torch.arange(6, dtype=torch.int16).reshape(2, 3)
+    save({"t": t}, store_url)
+    engine = open_store(store_url)
+    record = KVStorageReader(engine, checkpoint_id="step-1").read_record()
+    (key,) = record.data_keys(engine.prefix)
+    assert engine.get(key) == t.numpy().tobytes()
+
+
+def test_items_larger_than_a_part_are_split(store_url: str) -> None:
+    url = store_url + ("&" if "?" in store_url else "?") + "part_bytes=1000"
+    sd = {"big": torch.randn(1000), "obj": {"x": list(range(500))}}
+    save(sd, url)
+    engine = open_store(url)
+    assert len(list(engine.scan(f"{engine.prefix}/data/"))) >= 6
+    out = load({"big": torch.zeros(1000), "obj": {"x": None}}, url)
+    assert_bit_equal(sd, out)
+    # Resharded read of a multi-part item goes through the assembly buffer.
+    part = {"big": torch.zeros(1000)}
+    load(part, url)
+    assert torch.equal(part["big"], sd["big"])
+
+
+def test_checkpoint_id_from_constructor(store_url: str) -> None:
+    sd = {"a": torch.ones(3)}
+    dcp.save(sd, storage_writer=KVStorageWriter(store_url, checkpoint_id="ctor"))
+    out = {"a": torch.zeros(3)}
+    dcp.load(out, storage_reader=KVStorageReader(store_url, checkpoint_id="ctor"))
+    assert torch.equal(out["a"], sd["a"])
+
+
+def test_no_checkpoint_id_is_a_clear_error(store_url: str) -> None:
+    with pytest.raises(BaseException, match="no checkpoint id"):
+        dcp.save({"a": torch.ones(1)}, storage_writer=KVStorageWriter(store_url))
+
+
+def test_partial_load(store_url: str) -> None:
+    sd = mixed_state_dict()
+    save(sd, store_url)
+    out = load({"f32": torch.zeros(33, 17), "nested": {"inner": torch.zeros(3)}}, store_url)
+    assert torch.equal(out["f32"], sd["f32"])
+    assert torch.equal(out["nested"]["inner"], sd["nested"]["inner"])
+
+
+def test_resave_replaces_atomically_and_drops_old_data(store_url: str) -> None:
+    engine = open_store(store_url)
+    save({"a": torch.ones(100)}, store_url)
+    old = KVStorageReader(store_url, checkpoint_id="step-1").read_record()
+    save({"a": torch.full((100,), 2.0)}, store_url)
+    new = KVStorageReader(store_url, checkpoint_id="step-1").read_record()
+    assert new.save_id != old.save_id
+    data = sorted(engine.scan(f"{engine.prefix}/data/"))
+    assert data and all(new.save_id in k for k in data)
+    assert torch.equal(load({"a": torch.zeros(100)}, store_url)["a"], torch.full((100,), 2.0))
+
+
+def test_overwrite_false_refuses(store_url: str) -> None:
+    save({"a": torch.ones(1)}, store_url)
+    with pytest.raises(BaseException, match="already exists"):
+        save({"a": torch.ones(1)}, store_url, overwrite=False)
+
+
+def test_unknown_checkpoint_lists_existing_ids(store_url: str) -> None:
+    save({"a": torch.ones(1)}, store_url, cid="step-1")
+    save({"a": torch.ones(1)}, store_url, cid="step-2")
+    with pytest.raises(BaseException) as info:
+        load({"a": torch.zeros(1)}, store_url, cid="step-3")
+    assert "'step-3' not found" in str(info.value)
+    assert "'step-1', 'step-2'" in str(info.value)
+    with pytest.raises(CheckpointNotFoundError, match="'step-1', 'step-2'"):
+        KVStorageReader(store_url, checkpoint_id="step-3").read_record()
+
+
+def test_empty_store_says_so(store_url: str) -> None:
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoints"):
+        KVStorageReader(store_url, checkpoint_id="x").read_record()
+
+
+def test_unreachable_redis(redis_server) -> None:
+    from tests.conftest import free_port
+
+    url = f"redis://default:topsecret@127.0.0.1:{free_port()}/0"
+    writer = KVStorageWriter(url)
+    with pytest.raises(BaseException) as info:
+        dcp.save({"a": torch.ones(1)}, storage_writer=writer, checkpoint_id="x")
+    assert "127.0.0.1:" in str(info.value)
+    assert "topsecret" not in str(info.value) and "topsecret" not in repr(writer)
+    with pytest.raises(StoreUnavailableError):
+        KVStorageReader(url, checkpoint_id="x").read_record()
+
+
+def test_invalid_checkpoint_id_in_dcp_save(store_url: str) -> None:
+    with pytest.raises(InvalidCheckpointIdError, match="key schema"):
+        save({"a": torch.ones(1)}, store_url, cid="a/b")
+    with pytest.raises(InvalidCheckpointIdError):
+        save({"a": torch.ones(1)}, store_url, cid="{tag}")
+
+
+def overwrite_meta(url: str, cid: str, raw: bytes) -> None:
+    engine = open_store(url)
+    engine.transact([], lambda _: {meta_key(engine.prefix, cid): raw})
+
+
+def test_newer_format_version(store_url: str) -> None:
+    import msgpack
+
+    save({"a": torch.ones(1)}, store_url)
+    engine = open_store(store_url)
+    doc = msgpack.unpackb(engine.get(meta_key(engine.prefix, "step-1")), strict_map_key=False)
+    doc["version"] = 2
+    overwrite_meta(store_url, "step-1", msgpack.packb(doc))
+    with pytest.raises(UnsupportedFormatVersionError, match="version 2"):
+        KVStorageReader(store_url, checkpoint_id="step-1").read_record()
+    with pytest.raises(BaseException, match="upgrade kvckpt"):
+        load({"a": torch.zeros(1)}, store_url)
+
+
+def test_corrupted_metadata(store_url: str) -> None:
+    save({"a": torch.ones(1)}, store_url)
+    engine = open_store(store_url)
+    raw = engine.get(meta_key(engine.prefix, "step-1"))
+    overwrite_meta(store_url, "step-1", raw[: len(raw) // 2])
+    with pytest.raises(MetadataError, match="step-1"):
+        KVStorageReader(store_url, checkpoint_id="step-1").read_record()
+
+
+def test_damaged_data_value_is_detected(store_url: str) -> None:
+    save({"a": torch.ones(10)}, store_url)
+    engine = open_store(store_url)
+    (key,) = list(engine.scan(f"{engine.prefix}/data/"))
+    engine.put_many([(key, b"short")])
+    with pytest.raises(BaseException, match="holds 5 bytes, expected 40"):
+        load({"a": torch.zeros(10)}, store_url)
+    engine.delete([key])
+    with pytest.raises(BaseException, match="is missing"):
+        load({"a": torch.zeros(10)}, store_url)
+
+
+class Payload:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch /tmp/kvckpt-pwned",))
+
+
+def test_pickle_payload_in_every_value_runs_no_code(store_url: str, tmp_path) -> None:
+    """An attacker who can write to the store overwrites every value with a pickle payload."""
+    import os
+
+    marker = "/tmp/kvckpt-pwned"
+    if os.path.exists(marker):
+        os.remove(marker)
+    sd = mixed_state_dict()
+    save(sd, store_url)
+    engine = open_store(store_url)
+    payload = pickle.dumps(Payload())
+    keys = list(engine.scan(""))
+    assert len(keys) > 10
+    engine.put_many((k, payload) for k in keys)
+    with pytest.raises(BaseException) as info:
+        load(zeros_like_sd(sd), store_url)
+    assert "metadata" in str(info.value)
+    assert not os.path.exists(marker)
+
+
+def test_torch_save_payload_in_object_values_is_refused(store_url: str) -> None:
+    """A well-formed torch.save payload with a code-running pickle, sizes made consistent."""
+    import dataclasses
+    import io
+    import os
+
+    from kvckpt.format import encode_metadata
+
+    marker = "/tmp/kvckpt-pwned"
+    if os.path.exists(marker):
+        os.remove(marker)
+    save({"t": torch.ones(2), "obj": {"k": "v"}}, store_url)
+    engine = open_store(store_url)
+    record = KVStorageReader(engine, checkpoint_id="step-1").read_record()
+    buf = io.BytesIO()
+    torch.save(Payload(), buf)
+    payload = buf.getvalue()
+    locations = dict(record.locations)
+    for idx, loc in locations.items():
+        if idx.offset is None:
+            locations[idx] = dataclasses.replace(loc, nbytes=len(payload), part_bytes=1 << 30)
+            (key,) = locations[idx].keys(engine.prefix, "step-1", record.save_id)
+            engine.put_many([(key, payload)])
+    raw = encode_metadata(
+        record.metadata, locations, checkpoint_id="step-1", save_id=record.save_id, world_size=1
+    )
+    overwrite_meta(store_url, "step-1", raw)
+    with pytest.raises(BaseException, match="weights_only=False") as info:
+        load({"t": torch.zeros(2), "obj": {"k": None}}, store_url)
+    assert "UnsafeObjectError" in str(info.value) and "'obj.k'" in str(info.value)
+    assert not os.path.exists(marker)
+
+
+def test_weights_only_blocks_unsafe_objects_and_opt_out_allows(store_url: str) -> None:
+    import argparse
+
+    sd = {"t": torch.ones(2), "args": argparse.Namespace(lr=0.1)}
+    save(sd, store_url)
+    with pytest.raises(BaseException, match="weights_only"):
+        load({"t": torch.zeros(2), "args": None}, store_url)
+    out = load({"t": torch.zeros(2), "args": None}, store_url, weights_only=False)
+    assert out["args"].lr == 0.1
+
+
+def test_writer_and_reader_pickle(store_url: str) -> None:
+    w = pickle.loads(pickle.dumps(KVStorageWriter(store_url, checkpoint_id="p")))
+    dcp.save({"a": torch.ones(2)}, storage_writer=w)
+    r = pickle.loads(pickle.dumps(KVStorageReader(store_url, checkpoint_id="p")))
+    out = {"a": torch.zeros(2)}
+    dcp.load(out, storage_reader=r)
+    assert torch.equal(out["a"], torch.ones(2))
+
+
+def test_tensor_larger_than_redis_value_limit(redis_server) -> None:
+    """600 MiB in one tensor: over Redis's 512 MiB per-value limit, split transparently."""
+    client = redis_server.client()
+    client.flushall()
+    url = redis_server.url()
+    big = torch.arange(600 * (1 << 20) // 4, dtype=torch.int32)
+    save({"big": big}, url)
+    out = {"big": torch.zeros_like(big)}
+    load(out, url)
+    assert torch.equal(out["big"], big)
+    client.flushall()

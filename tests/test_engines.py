@@ -1,0 +1,120 @@
+"""The engine contract, run against real LMDB and a real redis-server."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import fakeredis
+import pytest
+
+from kvckpt import StoreUnavailableError, open_store
+from kvckpt.engines.base import Engine
+from kvckpt.engines.lmdb import LMDBEngine
+from kvckpt.engines.redis import RedisEngine
+
+
+def collect(engine: Engine, keys: list[str]) -> list[bytes | None]:
+    out: list[bytes | None] = [b"unset"] * len(keys)
+
+    def consume(i: int, view: memoryview | None) -> None:
+        out[i] = None if view is None else bytes(view)
+
+    engine.get_many(keys, consume)
+    return out
+
+
+def test_put_get_scan_delete(store_url: str) -> None:
+    engine = open_store(store_url)
+    values = {f"t/a/{i}": bytes([i % 256]) * (i * 37) for i in range(200)}
+    values["t/big"] = b"\x07" * (3 << 20)  # sent zero-copy rather than coalesced
+    engine.put_many((k, memoryview(v)) for k, v in values.items())
+    keys = sorted(values)
+    assert collect(engine, [*keys, "t/missing"]) == [*(values[k] for k in keys), None]
+    assert sorted(engine.scan("t/a/")) == sorted(k for k in values if k.startswith("t/a/"))
+    assert engine.get("t/a/3") == values["t/a/3"]
+    assert engine.get("nope") is None
+    assert engine.delete(["t/a/1", "t/a/2", "nope"]) == 2
+    assert engine.delete_prefix("t/") == len(values) - 2
+    assert list(engine.scan("t/")) == []
+
+
+def test_scan_prefix_is_literal_not_a_glob(store_url: str) -> None:
+    engine = open_store(store_url)
+    engine.put_many([("g/a*b/1", b"x"), ("g/aXb/1", b"y"), ("g/a?b/1", b"z")])
+    assert sorted(engine.scan("g/a*b/")) == ["g/a*b/1"]
+    assert sorted(engine.scan("g/a?b/")) == ["g/a?b/1"]
+
+
+def test_transact_is_read_modify_write(store_url: str) -> None:
+    engine = open_store(store_url)
+
+    def bump(current: list[bytes | None]) -> dict[str, bytes | None]:
+        n = int(current[0] or 0)
+        return {"counter": str(n + 1).encode(), "gone": None}
+
+    engine.put_many([("gone", b"1")])
+    threads = [
+        threading.Thread(target=lambda: [engine.transact(["counter"], bump) for _ in range(20)])
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert engine.get("counter") == b"80"
+    assert engine.get("gone") is None
+
+
+def test_engines_pickle_and_reconnect(store_url: str) -> None:
+    engine = open_store(store_url)
+    engine.put_many([("p/1", b"abc")])
+    clone = pickle.loads(pickle.dumps(engine))
+    assert clone.get("p/1") == b"abc"
+    assert clone.url == engine.url
+
+
+def test_lmdb_map_grows_instead_of_failing(tmp_path) -> None:
+    engine = LMDBEngine(str(tmp_path / "s"), map_size=1 << 20)  # 1 MiB map
+    payload = memoryview(bytearray(b"\x01" * (64 << 20)))
+    engine.put_many([(f"k/{i}", payload) for i in range(3)])  # 192 MiB
+    assert engine.get("k/2") == bytes(payload)
+
+
+def test_lmdb_two_engines_one_env_in_a_process(tmp_path) -> None:
+    a = LMDBEngine(str(tmp_path / "s"))
+    b = LMDBEngine(str(tmp_path / "s"))
+    a.put_many([("x", b"1")])
+    assert b.get("x") == b"1"
+    a.close()
+    assert b.get("x") == b"1"
+
+
+def test_lmdb_reads_are_zero_copy_views(tmp_path) -> None:
+    engine = LMDBEngine(str(tmp_path / "s"))
+    engine.put_many([("v", b"hello")])
+    seen = []
+    engine.get_many(["v"], lambda i, v: seen.append((type(v), v.readonly)))
+    assert seen == [(memoryview, True)]
+
+
+def test_unreachable_redis_names_host_and_hides_password(redis_server) -> None:
+    from tests.conftest import free_port
+
+    port = free_port()
+    engine = open_store(f"redis://admin:hunter2@127.0.0.1:{port}/0")
+    with pytest.raises(StoreUnavailableError) as info:
+        engine.get("x")
+    assert f"127.0.0.1:{port}" in str(info.value)
+    assert "hunter2" not in str(info.value)
+    assert "***" in str(info.value)
+
+
+def test_redis_transact_logic_with_fakeredis() -> None:
+    """Fast logic check of the WATCH/MULTI path (the real-server version runs above)."""
+    engine = RedisEngine.from_url("redis://fake:6379/0")
+    engine._client_obj = fakeredis.FakeRedis()
+    engine.transact(["m"], lambda cur: {"m": b"1", "n": b"2"})
+    engine.transact(["m", "n"], lambda cur: {"m": cur[0] + cur[1], "n": None})
+    assert engine.get("m") == b"12"
+    assert engine.get("n") is None
