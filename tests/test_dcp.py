@@ -52,7 +52,7 @@ def mixed_state_dict() -> dict:
 def zeros_like_sd(sd: dict) -> dict:
     def z(v):
         if isinstance(v, torch.Tensor):
-            return torch.zeros_like(v) if v.dtype != torch.bool else torch.zeros_like(v)
+            return torch.zeros_like(v)
         if isinstance(v, dict):
             return {k: z(x) for k, x in v.items()}
         if isinstance(v, list):
