@@ -1,0 +1,136 @@
+"""Rank functions for the multi-process tests (spawned, so they live in an importable module)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.sharded_tensor import zeros as st_zeros
+from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from kvckpt import KVStorageReader, KVStorageWriter
+
+warnings.filterwarnings("ignore")
+
+
+def expected() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    return {
+        "dt_shard0": torch.randn(7, 4, generator=g),  # 7 rows over 2 or 3 ranks: uneven
+        "dt_shard1": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "dt_rep": torch.randn(6, generator=g),
+        "st": torch.randn(10, 3, generator=g),
+        "plain": torch.arange(12, dtype=torch.int64).reshape(3, 4),
+    }
+
+
+def _init(rank: int, world_size: int, port: int) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+
+
+def _spec(world_size: int) -> ChunkShardingSpec:
+    return ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world_size)])
+
+
+def _sharded(full: torch.Tensor, world_size: int) -> ShardedTensor:
+    st = st_zeros(_spec(world_size), *full.shape)
+    for shard in st.local_shards():
+        off, size = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        shard.tensor.copy_(full[off[0] : off[0] + size[0], off[1] : off[1] + size[1]])
+    return st
+
+
+def distributed_state_dict(world_size: int, fill_zeros: bool = False) -> dict:
+    full = expected()
+    if fill_zeros:
+        full = {k: torch.zeros_like(v) for k, v in full.items()}
+    mesh = init_device_mesh("cpu", (world_size,))
+    return {
+        "dt_shard0": distribute_tensor(full["dt_shard0"], mesh, [Shard(0)]),
+        "dt_shard1": distribute_tensor(full["dt_shard1"], mesh, [Shard(1)]),
+        "dt_rep": distribute_tensor(full["dt_rep"], mesh, [Replicate()]),
+        "st": _sharded(full["st"], world_size),
+        "plain": full["plain"],
+        "obj": {"step": 0 if fill_zeros else 5, "name": "" if fill_zeros else "adamw"},
+    }
+
+
+def check_distributed(sd: dict) -> None:
+    full = expected()
+    for name in ("dt_shard0", "dt_shard1", "dt_rep"):
+        t = sd[name]
+        assert isinstance(t, DTensor)
+        assert torch.equal(t.full_tensor(), full[name]), name
+    for shard in sd["st"].local_shards():
+        off, size = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        want = full["st"][off[0] : off[0] + size[0], off[1] : off[1] + size[1]]
+        assert torch.equal(shard.tensor, want), "st"
+    assert torch.equal(sd["plain"], full["plain"])
+    assert sd["obj"] == {"step": 5, "name": "adamw"}, sd["obj"]
+
+
+def save_worker(rank: int, world_size: int, port: int, url: str, cid: str) -> None:
+    _init(rank, world_size, port)
+    dcp.save(
+        distributed_state_dict(world_size), storage_writer=KVStorageWriter(url), checkpoint_id=cid
+    )
+    dist.destroy_process_group()
+
+
+def load_worker(rank: int, world_size: int, port: int, url: str, cid: str) -> None:
+    _init(rank, world_size, port)
+    sd = distributed_state_dict(world_size, fill_zeros=True)
+    dcp.load(sd, storage_reader=KVStorageReader(url), checkpoint_id=cid)
+    check_distributed(sd)
+    dist.destroy_process_group()
+
+
+def load_single_process(url: str, cid: str) -> None:
+    """World size 1 without any process group: every tensor loads whole."""
+    sd = {k: torch.zeros_like(v) for k, v in expected().items()}
+    sd["obj"] = {"step": 0, "name": ""}
+    dcp.load(sd, storage_reader=KVStorageReader(url), checkpoint_id=cid)
+    for k, v in expected().items():
+        assert torch.equal(sd[k], v), k
+    assert sd["obj"] == {"step": 5, "name": "adamw"}
+
+
+def async_worker(rank: int, world_size: int, port: int, url: str) -> None:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    _init(rank, world_size, port)
+    for kind in (AsyncCheckpointerType.THREAD, AsyncCheckpointerType.PROCESS):
+        cid = f"async-{kind.name.lower()}"
+        sd = distributed_state_dict(world_size)
+        fut = dcp.async_save(
+            sd, storage_writer=KVStorageWriter(url), checkpoint_id=cid, async_checkpointer_type=kind
+        )
+        # Training would go on here and may modify sd: the staged copy is what gets saved.
+        sd["dt_rep"].to_local().zero_()
+        fut.result()
+        loaded = distributed_state_dict(world_size, fill_zeros=True)
+        dcp.load(loaded, storage_reader=KVStorageReader(url), checkpoint_id=cid)
+        check_distributed(loaded)
+    dist.destroy_process_group()
+
+
+def rank_local_worker(rank: int, world_size: int, port: int, url: str) -> None:
+    _init(rank, world_size, port)
+    mine = {"w": torch.full((4,), float(rank)), "rank": {"id": rank}}
+    dcp.save(
+        mine, storage_writer=KVStorageWriter(url), checkpoint_id="local", use_collectives=False
+    )
+    out = {"w": torch.zeros(4), "rank": {"id": -1}}
+    dcp.load(out, storage_reader=KVStorageReader(url), checkpoint_id="local")
+    assert torch.equal(out["w"], torch.full((4,), float(rank))), out
+    assert out["rank"] == {"id": rank}
+    dist.destroy_process_group()
