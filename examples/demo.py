@@ -65,8 +65,10 @@ def run(url: str) -> None:
     assert restored["step"] == 3
     record = kvckpt.KVStorageReader(url, checkpoint_id="step-3").read_record()
     print(f"store:    {kvckpt.open_store(url).url}")
-    print(f"saved:    {len(record.locations)} items, {record.total_bytes / 2**20:.2f} MiB "
-          f"in {1e3 * (t1 - t0):.1f} ms")
+    print(
+        f"saved:    {len(record.locations)} items, {record.total_bytes / 2**20:.2f} MiB "
+        f"in {1e3 * (t1 - t0):.1f} ms"
+    )
     print(f"loaded:   in {1e3 * (t2 - t1):.1f} ms, model and optimizer identical: OK")
 
 

@@ -12,13 +12,23 @@ from .errors import (
     UnsafeObjectError,
     UnsupportedFormatVersionError,
 )
+from .manage import (
+    CheckpointInfo,
+    GcReport,
+    delete_checkpoint,
+    gc,
+    latest_checkpoint,
+    list_checkpoints,
+)
 from .storage import KVStorageReader, KVStorageWriter
 from .urls import open_store
 
 __all__ = [
+    "CheckpointInfo",
     "CheckpointNotFoundError",
     "DataError",
     "Engine",
+    "GcReport",
     "InvalidCheckpointIdError",
     "InvalidURLError",
     "KVCheckpointError",
@@ -28,6 +38,10 @@ __all__ = [
     "StoreUnavailableError",
     "UnsafeObjectError",
     "UnsupportedFormatVersionError",
+    "delete_checkpoint",
+    "gc",
+    "latest_checkpoint",
+    "list_checkpoints",
     "open_store",
 ]
 __version__ = "0.1.0"

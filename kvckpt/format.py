@@ -170,6 +170,7 @@ def encode_metadata(
     save_id: str,
     world_size: int,
     rank: int | None = None,
+    created_at: float | None = None,
 ) -> bytes:
     tensors: dict[str, Any] = {}
     objects: list[str] = []
@@ -202,7 +203,7 @@ def encode_metadata(
         "version": FORMAT_VERSION,
         "checkpoint_id": checkpoint_id,
         "save_id": save_id,
-        "created_at": time.time(),
+        "created_at": time.time() if created_at is None else created_at,
         "world_size": world_size,
         "rank": rank,
         "total_bytes": sum(loc.nbytes for loc in locations.values()),

@@ -9,9 +9,11 @@ tensor (narrowing it when the load reshards).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import io
 import logging
 import os
+import time
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -35,6 +37,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from .catalog import commit, mark_pending
 from .engines.base import Engine
 from .errors import (
     CheckpointNotFoundError,
@@ -54,6 +57,7 @@ from .format import (
     parse_meta_key,
     part_ranges,
 )
+from .manage import NEVER, gc
 from .urls import open_store, validate_name
 
 logger = logging.getLogger(__name__)
@@ -133,6 +137,11 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         checkpoint_id: the checkpoint's name, used when ``dcp.save`` gets no ``checkpoint_id``.
         overwrite: if False, saving over an existing checkpoint id raises instead of replacing
             it. Replacing is atomic either way: readers see the old or the new checkpoint.
+        keep_last: after each successful commit, delete complete checkpoints of the namespace
+            beyond the newest ``keep_last`` (never the one just written).
+        ttl: seconds (or a timedelta) after which the whole checkpoint expires by itself —
+            metadata first, data a little later, so no reader sees a half-expired checkpoint.
+            Redis only.
         cache_staged_state_dict: reuse one staging copy across ``dcp.async_save`` calls (as
             DCP's ``FileSystemWriter``).
     """
@@ -143,6 +152,8 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         *,
         checkpoint_id: str | os.PathLike | None = None,
         overwrite: bool = True,
+        keep_last: int | None = None,
+        ttl: float | datetime.timedelta | None = None,
         cache_staged_state_dict: bool = False,
     ) -> None:
         super().__init__()
@@ -150,6 +161,23 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         self.engine = open_store(store)
         self.checkpoint_id = _checkpoint_id(checkpoint_id)
         self.overwrite = overwrite
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(
+                f"keep_last must be at least 1 (it never deletes the checkpoint "
+                f"just written), not {keep_last}"
+            )
+        self.keep_last = keep_last
+        if isinstance(ttl, datetime.timedelta):
+            ttl = ttl.total_seconds()
+        if ttl is not None:
+            if ttl <= 0:
+                raise ValueError(f"ttl must be positive, not {ttl}")
+            if not getattr(self.engine, "supports_ttl", False):
+                raise ValueError(
+                    f"ttl= needs an engine whose keys can expire (Redis); {self.engine.url} "
+                    "cannot. Use keep_last= or kvckpt gc to bound what is kept instead."
+                )
+        self.ttl = ttl
         self.save_id = _new_save_id()
         self.rank: int | None = None
         self.use_collectives = True
@@ -183,10 +211,14 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                     "overwrite=True"
                 )
         if not self.use_collectives:
+            mark_pending(self.engine, checkpoint_id, self.save_id, self.rank or 0)
             plan = dataclasses.replace(plan, storage_data=_PlanData(self.save_id, self.rank or 0))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if self.use_collectives:
+            # Registered before any rank writes data, so gc never mistakes it for garbage.
+            mark_pending(self.engine, self._require_id(), self.save_id, None)
         return [
             plan
             if isinstance(plan.storage_data, _PlanData)
@@ -254,6 +286,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         else:
             world_size = max(len(results), 1)
         metadata.storage_meta = self.storage_meta()
+        created_at = time.time()
         raw = encode_metadata(
             metadata,
             locations,
@@ -261,17 +294,53 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
             save_id=self.save_id,
             world_size=world_size,
             rank=rank,
+            created_at=created_at,
         )
-        key = meta_key(self.engine.prefix, checkpoint_id, rank)
-        replaced: list[bytes] = []
+        expires_at = None if self.ttl is None else created_at + self.ttl
+        entry = {
+            "checkpoint_id": checkpoint_id,
+            "rank": rank,
+            "save_id": self.save_id,
+            "created_at": created_at,
+            "total_bytes": sum(loc.nbytes for loc in locations.values()),
+            "items": len(locations),
+            "world_size": world_size,
+            "expires_at": expires_at,
+        }
+        replaced = commit(self.engine, raw, entry)
+        if expires_at is not None:
+            self._expire(checkpoint_id, rank, locations, expires_at)
+        if replaced is not None:
+            self._delete_replaced(replaced, checkpoint_id)
+        if self.keep_last is not None:
+            gc(
+                self.engine,
+                keep_last=self.keep_last,
+                protect=[checkpoint_id],
+                incomplete_older_than=NEVER,
+                scan_orphans=False,
+            )
 
-        def commit(current: list[bytes | None]) -> dict[str, bytes | None]:
-            replaced[:] = [v for v in current if v is not None]
-            return {key: raw}
-
-        self.engine.transact([key], commit)
-        if replaced:
-            self._delete_replaced(replaced[0], checkpoint_id)
+    def _expire(
+        self,
+        checkpoint_id: str,
+        rank: int | None,
+        locations: dict[MetadataIndex, ItemLocation],
+        expires_at: float,
+    ) -> None:
+        prefix = self.engine.prefix
+        self.engine.expire_at([meta_key(prefix, checkpoint_id, rank)], expires_at)
+        # Data outlives its metadata by a grace period, so a load that read the metadata just
+        # before it expired still finds every value.
+        grace = min(max(60.0, 0.1 * (self.ttl or 0)), 3600.0)
+        self.engine.expire_at(
+            (
+                key
+                for loc in locations.values()
+                for key in loc.keys(prefix, checkpoint_id, self.save_id)
+            ),
+            expires_at + grace,
+        )
 
     def _delete_replaced(self, old: bytes, checkpoint_id: str) -> None:
         """After the commit, drop the data of the save the new metadata replaced."""

@@ -31,10 +31,12 @@ class Engine(ABC):
     - ``max_value_bytes``: the largest value one key holds. Larger items are split into parts of
       this size by the format layer, so every engine gets values it can store.
     - ``shared``: whether other nodes see the same data (Redis) or only this node (LMDB).
+    - ``supports_ttl``: whether ``expire_at`` works (keys that expire by themselves).
     """
 
     max_value_bytes: int = 1 << 30
     shared: bool = False
+    supports_ttl: bool = False
 
     @property
     @abstractmethod
@@ -72,6 +74,21 @@ class Engine(ABC):
         """Atomic read-modify-write of a few small keys: reads ``watch``, calls ``update`` with
         their values and applies the returned writes as one atomic operation. If a watched key
         changes in between, the engine retries ``update`` with the new values."""
+
+    def expire_at(self, keys: Iterable[str], when: float) -> None:
+        """Make keys expire at Unix time ``when`` (engines with ``supports_ttl``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expire keys")
+
+    def value_sizes(self, keys: Sequence[str]) -> list[int | None]:
+        """Each value's size in bytes (None if missing), without transferring values where the
+        engine can."""
+        sizes: list[int | None] = [None] * len(keys)
+
+        def consume(i: int, view: memoryview | None) -> None:
+            sizes[i] = None if view is None else view.nbytes
+
+        self.get_many(keys, consume)
+        return sizes
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every key starting with ``prefix``."""

@@ -67,6 +67,7 @@ class RedisEngine(Engine):
     """
 
     shared = True
+    supports_ttl = True
 
     def __init__(
         self,
@@ -257,6 +258,29 @@ class RedisEngine(Engine):
                     pipe.set(k, v)
 
         self._client.transaction(apply, *watch)
+
+    @_translate_errors
+    def expire_at(self, keys: Iterable[str], when: float) -> None:
+        at_ms = int(when * 1000)
+        pipe = self._client.pipeline(transaction=False)
+        for n, key in enumerate(keys, 1):
+            pipe.pexpireat(key, at_ms)
+            if n % _DELETE_BATCH == 0:
+                pipe.execute()
+        pipe.execute()
+
+    @_translate_errors
+    def value_sizes(self, keys: Sequence[str]) -> list[int | None]:
+        sizes: list[int | None] = []
+        for start in range(0, len(keys), _MAX_PIPELINE_KEYS):
+            pipe = self._client.pipeline(transaction=False)
+            batch = keys[start : start + _MAX_PIPELINE_KEYS]
+            for key in batch:
+                pipe.exists(key)
+                pipe.strlen(key)
+            replies = pipe.execute()
+            sizes += [n if e else None for e, n in zip(replies[::2], replies[1::2], strict=True)]
+        return sizes
 
     @_translate_errors
     def info(self, section: str | None = None) -> dict[str, Any]:

@@ -1,0 +1,186 @@
+"""The catalog of a namespace: which checkpoints are committed, which saves are in flight.
+
+One small key, ``{P}/index``, holds a msgpack summary of every committed checkpoint and every
+save that has started but not committed. The commit updates it in the same atomic transaction
+as the metadata key, so listing 1,000 checkpoints reads one value and never scans data keys, and
+a save that crashed before its commit is still known (as *pending*) to ``gc``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .engines.base import Engine
+from .errors import MetadataError
+from .format import (
+    CheckpointRecord,
+    decode_metadata,
+    meta_key,
+    meta_prefix,
+    parse_meta_key,
+)
+
+logger = logging.getLogger(__name__)
+
+INDEX_MAGIC = "kvckpt-index"
+INDEX_VERSION = 1
+
+
+def index_key(prefix: str) -> str:
+    return f"{{{prefix}}}/index"
+
+
+def entry_name(checkpoint_id: str, rank: int | None) -> str:
+    """An index entry's name: the metadata key without the ``{P}/meta/`` head."""
+    return checkpoint_id if rank is None else f"{checkpoint_id}/rank/{rank}"
+
+
+def pending_name(checkpoint_id: str, save_id: str, rank: int | None) -> str:
+    return f"{checkpoint_id}/{save_id}/{'all' if rank is None else rank}"
+
+
+@dataclass
+class Index:
+    """The decoded ``{P}/index`` value."""
+
+    checkpoints: dict[str, dict[str, Any]]
+    pending: dict[str, dict[str, Any]]
+
+    @classmethod
+    def decode(cls, raw: bytes | None, *, where: str) -> Index:
+        if raw is None:
+            return cls({}, {})
+        try:
+            doc = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        except Exception as e:
+            raise MetadataError(
+                f"the checkpoint index of {where} is corrupt ({type(e).__name__}); rebuild it "
+                "with `kvckpt gc URL` (checkpoints themselves are unaffected)"
+            ) from None
+        if (
+            not isinstance(doc, dict)
+            or doc.get("magic") != INDEX_MAGIC
+            or not isinstance(doc.get("checkpoints"), dict)
+            or not isinstance(doc.get("pending"), dict)
+            or not all(isinstance(v, dict) for v in doc["checkpoints"].values())
+            or not all(isinstance(v, dict) for v in doc["pending"].values())
+        ):
+            raise MetadataError(
+                f"the checkpoint index of {where} is malformed; rebuild it with `kvckpt gc URL`"
+            )
+        if not isinstance(doc.get("version"), int) or doc["version"] > INDEX_VERSION:
+            raise MetadataError(
+                f"the checkpoint index of {where} has version {doc.get('version')!r}, newer "
+                f"than this kvckpt reads ({INDEX_VERSION}): upgrade kvckpt"
+            )
+        return cls(doc["checkpoints"], doc["pending"])
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            {
+                "magic": INDEX_MAGIC,
+                "version": INDEX_VERSION,
+                "checkpoints": self.checkpoints,
+                "pending": self.pending,
+            },
+            use_bin_type=True,
+        )
+
+
+def summary(record: CheckpointRecord, expires_at: float | None = None) -> dict[str, Any]:
+    """A checkpoint's index entry."""
+    return {
+        "checkpoint_id": record.checkpoint_id,
+        "rank": record.rank,
+        "save_id": record.save_id,
+        "created_at": record.created_at,
+        "total_bytes": record.total_bytes,
+        "items": len(record.locations),
+        "world_size": record.world_size,
+        "expires_at": expires_at,
+    }
+
+
+def read_index(engine: Engine) -> Index:
+    return Index.decode(engine.get(index_key(engine.prefix)), where=engine.url)
+
+
+def update_index(
+    engine: Engine,
+    change: Callable[[Index], None],
+    *,
+    watch: tuple[str, ...] = (),
+    extra: Callable[[list[bytes | None]], dict[str, bytes | None]] | None = None,
+) -> None:
+    """Atomically apply ``change`` to the index, together with ``extra`` writes to ``watch``."""
+    key = index_key(engine.prefix)
+
+    def update(current: list[bytes | None]) -> dict[str, bytes | None]:
+        index = Index.decode(current[0], where=engine.url)
+        change(index)
+        writes: dict[str, bytes | None] = {key: index.encode()}
+        if extra is not None:
+            writes.update(extra(current[1:]))
+        return writes
+
+    engine.transact([key, *watch], update)
+
+
+def mark_pending(engine: Engine, checkpoint_id: str, save_id: str, rank: int | None) -> None:
+    """Record that a save has started, before any of its data is written."""
+
+    def change(index: Index) -> None:
+        index.pending[pending_name(checkpoint_id, save_id, rank)] = {
+            "checkpoint_id": checkpoint_id,
+            "save_id": save_id,
+            "rank": rank,
+            "started_at": time.time(),
+        }
+
+    update_index(engine, change)
+
+
+def commit(engine: Engine, raw: bytes, entry: dict[str, Any]) -> bytes | None:
+    """Write a checkpoint's metadata ``raw`` and its index ``entry`` (see ``summary``) in one
+    atomic transaction. Returns the metadata value it replaced (a re-save of the same id).
+    """
+    cid, rank = entry["checkpoint_id"], entry["rank"]
+    key = meta_key(engine.prefix, cid, rank)
+    replaced: list[bytes | None] = [None]
+
+    def change(index: Index) -> None:
+        index.checkpoints[entry_name(cid, rank)] = entry
+        index.pending.pop(pending_name(cid, entry["save_id"], rank), None)
+
+    def extra(current: list[bytes | None]) -> dict[str, bytes | None]:
+        replaced[0] = current[0]
+        return {key: raw}
+
+    update_index(engine, change, watch=(key,), extra=extra)
+    return replaced[0]
+
+
+def rebuild_index(engine: Engine) -> Index:
+    """Rebuild the index from the metadata keys (a full scan: for repair, not for listing)."""
+    checkpoints: dict[str, dict[str, Any]] = {}
+    for key in engine.scan(meta_prefix(engine.prefix)):
+        parsed = parse_meta_key(engine.prefix, key)
+        raw = engine.get(key)
+        if parsed is None or raw is None:
+            continue
+        try:
+            record = decode_metadata(raw, where=f"{key!r} in {engine.url}")
+        except MetadataError as e:
+            logger.warning("index rebuild skips %s: %s", key, e)
+            continue
+        checkpoints[entry_name(*parsed)] = summary(record)
+    index = Index(checkpoints, {})
+    key = index_key(engine.prefix)
+    engine.transact([key], lambda _: {key: index.encode()})
+    return index

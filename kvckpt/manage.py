@@ -1,0 +1,297 @@
+"""Managing the checkpoints of a namespace: list, latest, delete, garbage collection.
+
+Everything here reads the catalog index (one key) rather than scanning data keys, except
+``gc``'s search for orphaned data, which by its nature must look at every data key once.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .catalog import Index, read_index, rebuild_index, update_index
+from .engines.base import Engine
+from .errors import CheckpointNotFoundError, MetadataError
+from .format import data_prefix, decode_metadata, meta_key
+from .urls import open_store, validate_name
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint of a namespace, as ``list_checkpoints`` reports it."""
+
+    checkpoint_id: str
+    created_at: float  #: Unix time of the commit (of the start, for an incomplete save)
+    total_bytes: int
+    num_items: int
+    world_size: int | None
+    complete: bool
+    save_id: str | None = None
+    expires_at: float | None = None
+    rank_local: bool = False  #: saved with ``use_collectives=False``
+
+    @property
+    def created(self) -> _dt.datetime:
+        return _dt.datetime.fromtimestamp(self.created_at, tz=_dt.UTC)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "checkpoint_id": self.checkpoint_id,
+            "created_at": self.created.isoformat(),
+            "total_bytes": self.total_bytes,
+            "num_items": self.num_items,
+            "world_size": self.world_size,
+            "complete": self.complete,
+            "save_id": self.save_id,
+            "expires_at": None
+            if self.expires_at is None
+            else _dt.datetime.fromtimestamp(self.expires_at, tz=_dt.UTC).isoformat(),
+            "rank_local": self.rank_local,
+        }
+
+
+@dataclass
+class GcReport:
+    """What ``gc`` removed."""
+
+    deleted_checkpoints: list[str] = field(default_factory=list)
+    removed_incomplete: list[str] = field(default_factory=list)
+    deleted_keys: int = 0
+
+
+def _engine(store: str | Engine) -> Engine:
+    return open_store(store)
+
+
+def _field(entry: dict[str, Any], name: str, types: tuple[type, ...], where: str) -> Any:
+    value = entry.get(name)
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise MetadataError(
+            f"the checkpoint index of {where} has a bad {name!r} ({value!r}); rebuild it with "
+            "`kvckpt gc URL`"
+        )
+    return value
+
+
+def _infos(index: Index, where: str, include_incomplete: bool) -> list[CheckpointInfo]:
+    now = time.time()
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for entry in index.checkpoints.values():
+        expires = entry.get("expires_at")
+        if isinstance(expires, int | float) and expires <= now:
+            continue  # Redis has expired (or is expiring) its keys
+        groups[_field(entry, "checkpoint_id", (str,), where)].append(entry)
+    infos: list[CheckpointInfo] = []
+    for cid, entries in groups.items():
+        collective = [e for e in entries if e.get("rank") is None]
+        chosen = collective or entries
+        num = (int, float)
+        created = max(float(_field(e, "created_at", num, where)) for e in chosen)
+        total = sum(_field(e, "total_bytes", (int,), where) for e in chosen)
+        items = sum(_field(e, "items", (int,), where) for e in chosen)
+        world = _field(chosen[0], "world_size", (int,), where)
+        if collective:
+            complete, save_id = True, _field(chosen[0], "save_id", (str,), where)
+        else:  # rank-local: complete once every rank has committed
+            ranks = {e.get("rank") for e in entries}
+            complete, save_id = ranks >= set(range(world)), None
+        if complete or include_incomplete:
+            expires = [e.get("expires_at") for e in chosen if e.get("expires_at") is not None]
+            infos.append(
+                CheckpointInfo(
+                    cid,
+                    created,
+                    total,
+                    items,
+                    world,
+                    complete,
+                    save_id,
+                    min(expires) if expires else None,
+                    rank_local=not collective,
+                )
+            )
+    if include_incomplete:
+        for p in index.pending.values():
+            infos.append(
+                CheckpointInfo(
+                    _field(p, "checkpoint_id", (str,), where),
+                    float(_field(p, "started_at", (int, float), where)),
+                    0,
+                    0,
+                    None,
+                    False,
+                    _field(p, "save_id", (str,), where),
+                    rank_local=p.get("rank") is not None,
+                )
+            )
+    infos.sort(key=lambda i: (i.created_at, i.checkpoint_id), reverse=True)
+    return infos
+
+
+def list_checkpoints(
+    store: str | Engine,
+    *,
+    include_incomplete: bool = False,
+) -> list[CheckpointInfo]:
+    """The checkpoints of a namespace, newest first.
+
+    Reads the catalog index only (one key), however many checkpoints and data keys there are.
+    ``include_incomplete`` adds saves that started but never committed (a writer that crashed
+    or is still writing) and rank-local checkpoints that some ranks have not committed.
+    """
+    engine = _engine(store)
+    return _infos(read_index(engine), engine.url, include_incomplete)
+
+
+def latest_checkpoint(store: str | Engine) -> str | None:
+    """The id of the newest complete checkpoint: the one a restarted job resumes from."""
+    complete = [i for i in list_checkpoints(store) if i.complete]
+    return complete[0].checkpoint_id if complete else None
+
+
+def _checkpoint_meta_keys(engine: Engine, index: Index, checkpoint_id: str) -> list[str]:
+    keys = {meta_key(engine.prefix, checkpoint_id)}
+    for entry in index.checkpoints.values():
+        if entry.get("checkpoint_id") == checkpoint_id and isinstance(entry.get("rank"), int):
+            keys.add(meta_key(engine.prefix, checkpoint_id, entry["rank"]))
+    return sorted(keys)
+
+
+def delete_checkpoint(store: str | Engine, checkpoint_id: str) -> int:
+    """Delete a checkpoint: its metadata and index entry first, atomically, so readers see it
+    gone at once; then its data keys in bounded batches (``UNLINK`` on Redis, so the server
+    never blocks on a big delete). Returns the number of data keys deleted."""
+    engine = _engine(store)
+    validate_name(checkpoint_id)
+    keys = _checkpoint_meta_keys(engine, read_index(engine), checkpoint_id)
+    old: list[bytes | None] = []
+
+    def change(index: Index) -> None:
+        for name in [
+            n for n, e in index.checkpoints.items() if e.get("checkpoint_id") == checkpoint_id
+        ]:
+            del index.checkpoints[name]
+
+    def extra(current: list[bytes | None]) -> dict[str, bytes | None]:
+        old[:] = current
+        return dict.fromkeys(keys)
+
+    update_index(engine, change, watch=tuple(keys), extra=extra)
+    if all(v is None for v in old):
+        raise CheckpointNotFoundError(
+            f"checkpoint {checkpoint_id!r} not found in {engine.url}; `kvckpt ls URL` lists "
+            "the checkpoints there"
+        )
+    deleted = 0
+    for raw in old:
+        if raw is None:
+            continue
+        try:
+            record = decode_metadata(raw, where=f"checkpoint {checkpoint_id!r} in {engine.url}")
+        except MetadataError:
+            deleted += engine.delete_prefix(data_prefix(engine.prefix, checkpoint_id))
+            continue
+        deleted += engine.delete(record.data_keys(engine.prefix))
+    return deleted
+
+
+def _data_key_save(prefix: str, key: str) -> tuple[str, str] | None:
+    rest = key[len(data_prefix(prefix)) :].split("/")
+    return (rest[0], rest[1]) if len(rest) >= 2 else None
+
+
+def gc(
+    store: str | Engine,
+    *,
+    keep_last: int | None = None,
+    incomplete_older_than: float | _dt.timedelta = 3600.0,
+    protect: Iterable[str] = (),
+    scan_orphans: bool = True,
+) -> GcReport:
+    """Remove old checkpoints and the data of saves that never committed.
+
+    - ``keep_last=N``: delete complete checkpoints beyond the newest N (never one in
+      ``protect``).
+    - Saves that started more than ``incomplete_older_than`` ago (seconds or a timedelta) and
+      never committed — a writer that crashed — have their data deleted.
+    - ``scan_orphans``: one pass over every data key of the namespace deletes data that no
+      checkpoint and no save in progress refers to.
+
+    A corrupt or missing index is rebuilt from the metadata keys first.
+    """
+    engine = _engine(store)
+    if keep_last is not None and keep_last < 0:
+        raise ValueError(f"keep_last must be >= 0, not {keep_last}")
+    if isinstance(incomplete_older_than, _dt.timedelta):
+        incomplete_older_than = incomplete_older_than.total_seconds()
+    report = GcReport()
+    try:
+        index = read_index(engine)
+    except MetadataError:
+        index = rebuild_index(engine)
+
+    if keep_last is not None:
+        protected = set(protect)
+        complete = [i for i in _infos(index, engine.url, False) if i.complete]
+        for info in complete[keep_last:]:
+            if info.checkpoint_id in protected:
+                continue
+            try:
+                report.deleted_keys += delete_checkpoint(engine, info.checkpoint_id)
+                report.deleted_checkpoints.append(info.checkpoint_id)
+            except CheckpointNotFoundError:
+                pass  # deleted concurrently
+
+    now = time.time()
+    expired = [
+        n
+        for n, e in index.checkpoints.items()
+        if isinstance(e.get("expires_at"), int | float) and e["expires_at"] <= now
+    ]
+    stale = {
+        n: p
+        for n, p in index.pending.items()
+        if isinstance(p.get("started_at"), int | float)
+        and now - p["started_at"] >= incomplete_older_than
+    }
+    for name, p in stale.items():
+        cid, save_id, rank = p.get("checkpoint_id"), p.get("save_id"), p.get("rank")
+        if isinstance(cid, str) and isinstance(save_id, str):
+            head = data_prefix(engine.prefix, cid, save_id)
+            report.deleted_keys += engine.delete_prefix(head if rank is None else f"{head}{rank}/")
+        report.removed_incomplete.append(name)
+    if stale or expired:
+
+        def change(idx: Index) -> None:
+            for name in stale:
+                idx.pending.pop(name, None)
+            for name in expired:
+                idx.checkpoints.pop(name, None)
+
+        update_index(engine, change)
+
+    if scan_orphans:
+        # Scan first, read the index after: a save that starts meanwhile registers as pending
+        # before it writes any data, so its keys are seen as referenced.
+        found: dict[tuple[str, str], list[str]] = defaultdict(list)
+        for key in engine.scan(data_prefix(engine.prefix)):
+            save = _data_key_save(engine.prefix, key)
+            if save is not None:
+                found[save].append(key)
+        index = read_index(engine)
+        live = {(e.get("checkpoint_id"), e.get("save_id")) for e in index.checkpoints.values()}
+        live |= {(p.get("checkpoint_id"), p.get("save_id")) for p in index.pending.values()}
+        for save, keys in found.items():
+            if save not in live:
+                report.deleted_keys += engine.delete(keys)
+                report.removed_incomplete.append(f"{save[0]}/{save[1]} (orphaned)")
+    return report
+
+
+#: ``gc(..., incomplete_older_than=NEVER)`` leaves every pending save alone.
+NEVER = math.inf
