@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from .engines.base import Engine
 from .errors import MetadataError
 from .format import (
     CheckpointRecord,
+    ItemLocation,
     decode_metadata,
+    encode_metadata,
     meta_key,
     meta_prefix,
     parse_meta_key,
@@ -164,6 +167,65 @@ def commit(engine: Engine, raw: bytes, entry: dict[str, Any]) -> bytes | None:
 
     update_index(engine, change, watch=(key,), extra=extra)
     return replaced[0]
+
+
+def publish(
+    engine: Engine,
+    metadata: Metadata,
+    locations: Mapping[MetadataIndex, ItemLocation],
+    *,
+    checkpoint_id: str,
+    save_id: str,
+    world_size: int,
+    rank: int | None = None,
+    ttl: float | None = None,
+) -> float:
+    """Commit a checkpoint whose data is stored: encode its metadata, write it and its index
+    entry atomically, then delete the data of the save it replaced. Returns the commit time."""
+    created_at = time.time()
+    raw = encode_metadata(
+        metadata,
+        locations,
+        checkpoint_id=checkpoint_id,
+        save_id=save_id,
+        world_size=world_size,
+        rank=rank,
+        created_at=created_at,
+    )
+    expires_at = None if ttl is None else created_at + ttl
+    entry = {
+        "checkpoint_id": checkpoint_id,
+        "rank": rank,
+        "save_id": save_id,
+        "created_at": created_at,
+        "total_bytes": sum(loc.nbytes for loc in locations.values()),
+        "items": len(locations),
+        "world_size": world_size,
+        "expires_at": expires_at,
+    }
+    replaced = commit(engine, raw, entry)
+    if ttl is not None and expires_at is not None:
+        engine.expire_at([meta_key(engine.prefix, checkpoint_id, rank)], expires_at)
+        # Data outlives its metadata by a grace period, so a load that read the metadata just
+        # before it expired still finds every value.
+        grace = min(max(60.0, 0.1 * ttl), 3600.0)
+        engine.expire_at(
+            (
+                key
+                for loc in locations.values()
+                for key in loc.keys(engine.prefix, checkpoint_id, save_id)
+            ),
+            expires_at + grace,
+        )
+    if replaced is not None:
+        try:
+            old = decode_metadata(replaced, where=f"replaced checkpoint {checkpoint_id!r}")
+        except MetadataError as e:
+            logger.warning("not deleting the data of a replaced save: %s (run gc)", e)
+        else:
+            if old.save_id != save_id:
+                engine.delete(old.data_keys(engine.prefix))
+    return created_at
 
 
 def rebuild_index(engine: Engine) -> Index:

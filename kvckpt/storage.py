@@ -13,10 +13,9 @@ import datetime
 import io
 import logging
 import os
-import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +36,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .catalog import commit, mark_pending
+from .catalog import mark_pending, publish
 from .engines.base import Engine
 from .errors import (
     CheckpointNotFoundError,
@@ -51,7 +50,6 @@ from .format import (
     CheckpointRecord,
     ItemLocation,
     decode_metadata,
-    encode_metadata,
     meta_key,
     meta_prefix,
     parse_meta_key,
@@ -286,32 +284,16 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         else:
             world_size = max(len(results), 1)
         metadata.storage_meta = self.storage_meta()
-        created_at = time.time()
-        raw = encode_metadata(
+        publish(
+            self.engine,
             metadata,
             locations,
             checkpoint_id=checkpoint_id,
             save_id=self.save_id,
             world_size=world_size,
             rank=rank,
-            created_at=created_at,
+            ttl=self.ttl,
         )
-        expires_at = None if self.ttl is None else created_at + self.ttl
-        entry = {
-            "checkpoint_id": checkpoint_id,
-            "rank": rank,
-            "save_id": self.save_id,
-            "created_at": created_at,
-            "total_bytes": sum(loc.nbytes for loc in locations.values()),
-            "items": len(locations),
-            "world_size": world_size,
-            "expires_at": expires_at,
-        }
-        replaced = commit(self.engine, raw, entry)
-        if expires_at is not None:
-            self._expire(checkpoint_id, rank, locations, expires_at)
-        if replaced is not None:
-            self._delete_replaced(replaced, checkpoint_id)
         if self.keep_last is not None:
             gc(
                 self.engine,
@@ -320,37 +302,6 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                 incomplete_older_than=NEVER,
                 scan_orphans=False,
             )
-
-    def _expire(
-        self,
-        checkpoint_id: str,
-        rank: int | None,
-        locations: dict[MetadataIndex, ItemLocation],
-        expires_at: float,
-    ) -> None:
-        prefix = self.engine.prefix
-        self.engine.expire_at([meta_key(prefix, checkpoint_id, rank)], expires_at)
-        # Data outlives its metadata by a grace period, so a load that read the metadata just
-        # before it expired still finds every value.
-        grace = min(max(60.0, 0.1 * (self.ttl or 0)), 3600.0)
-        self.engine.expire_at(
-            (
-                key
-                for loc in locations.values()
-                for key in loc.keys(prefix, checkpoint_id, self.save_id)
-            ),
-            expires_at + grace,
-        )
-
-    def _delete_replaced(self, old: bytes, checkpoint_id: str) -> None:
-        """After the commit, drop the data of the save the new metadata replaced."""
-        try:
-            record = decode_metadata(old, where=f"replaced checkpoint {checkpoint_id!r}")
-        except MetadataError as e:
-            logger.warning("not deleting the data of a replaced save: %s (run gc)", e)
-            return
-        if record.save_id != self.save_id:
-            self.engine.delete(record.data_keys(self.engine.prefix))
 
 
 class KVStorageReader(_KVStorageBase, StorageReader):
@@ -470,33 +421,49 @@ class KVStorageReader(_KVStorageBase, StorageReader):
         return fut
 
     def _read_batch(self, batch: list[_ItemRead]) -> None:
-        keys: list[str] = []
-        slots: list[tuple[_ItemRead, int, int]] = []
-        for item in batch:
-            item_keys = item.loc.keys(
-                self.engine.prefix, item.record.checkpoint_id, item.record.save_id
+        assert self._record is not None
+        fetch_parts(
+            self.engine,
+            self._record,
+            [(item.index, item.loc) for item in batch],
+            lambda i, start, view: batch[i].add_part(start, view),
+        )
+
+
+def fetch_parts(
+    engine: Engine,
+    record: CheckpointRecord,
+    items: Sequence[tuple[MetadataIndex, ItemLocation]],
+    on_part: Callable[[int, int, memoryview], None],
+) -> None:
+    """Fetch every part of ``items`` in one engine batch, checking each exists with the size
+    the metadata promises; ``on_part(item position, byte offset, view)`` gets each part (the
+    view is valid only during the call)."""
+    keys: list[str] = []
+    slots: list[tuple[int, int, int]] = []
+    for i, (_, loc) in enumerate(items):
+        item_keys = loc.keys(engine.prefix, record.checkpoint_id, record.save_id)
+        for key, (start, stop) in zip(
+            item_keys, part_ranges(loc.nbytes, loc.part_bytes), strict=True
+        ):
+            keys.append(key)
+            slots.append((i, start, stop))
+
+    def consume(k: int, view: memoryview | None) -> None:
+        i, start, stop = slots[k]
+        if view is None or view.nbytes != stop - start:
+            problem = (
+                "is missing (deleted, evicted or expired)"
+                if view is None
+                else f"holds {view.nbytes} bytes, expected {stop - start}"
             )
-            for key, (start, stop) in zip(item_keys, item.ranges, strict=True):
-                keys.append(key)
-                slots.append((item, start, stop))
+            raise DataError(
+                f"checkpoint {record.checkpoint_id!r} in {engine.url} is damaged: key "
+                f"{keys[k]!r} of {items[i][0].fqn!r} {problem}"
+            )
+        on_part(i, start, view)
 
-        def consume(i: int, view: memoryview | None) -> None:
-            item, start, stop = slots[i]
-            if view is None:
-                raise DataError(
-                    f"checkpoint {item.record.checkpoint_id!r} in {self.engine.url} is damaged: "
-                    f"key {keys[i]!r} of {item.index.fqn!r} is missing (deleted, evicted or "
-                    "expired)"
-                )
-            if view.nbytes != stop - start:
-                raise DataError(
-                    f"checkpoint {item.record.checkpoint_id!r} in {self.engine.url} is damaged: "
-                    f"key {keys[i]!r} of {item.index.fqn!r} holds {view.nbytes} bytes, "
-                    f"expected {stop - start}"
-                )
-            item.add_part(start, view)
-
-        self.engine.get_many(keys, consume)
+    engine.get_many(keys, consume)
 
 
 class _ItemRead:

@@ -134,3 +134,10 @@ def rank_local_worker(rank: int, world_size: int, port: int, url: str) -> None:
     assert torch.equal(out["w"], torch.full((4,), float(rank))), out
     assert out["rank"] == {"id": rank}
     dist.destroy_process_group()
+
+
+def fs_save_worker(rank: int, world_size: int, port: int, directory: str) -> None:
+    """Stock DCP: FileSystemWriter at this world size (the source for `kvckpt import`)."""
+    _init(rank, world_size, port)
+    dcp.save(distributed_state_dict(world_size), checkpoint_id=directory)
+    dist.destroy_process_group()

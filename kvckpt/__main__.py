@@ -1,0 +1,5 @@
+"""python -m kvckpt: the command line."""
+
+from .cli import main
+
+main()
