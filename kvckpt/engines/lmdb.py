@@ -34,7 +34,8 @@ from .base import BytesLike, Consumer, Engine, Update
 
 _MIB = 1 << 20
 _GIB = 1 << 30
-#: How many bytes one write transaction carries before it commits (bounds dirty pages).
+#: How many bytes one write transaction carries before it commits (bounds dirty pages);
+#: URL option ``txn_bytes``.
 _TXN_BYTES = 1 * _GIB
 _DELETE_BATCH = 10_000
 
@@ -105,7 +106,8 @@ class _SharedEnv:
 
 
 class LMDBEngine(Engine):
-    """``lmdb:///abs/dir[?prefix=NAME&map_size=1GiB&sync=1&writemap=1&part_bytes=1GiB]``"""
+    """``lmdb:///abs/dir[?prefix=NAME&map_size=1GiB&sync=1&writemap=1&part_bytes=1GiB
+    &txn_bytes=1GiB]``"""
 
     shared = False
 
@@ -118,6 +120,7 @@ class LMDBEngine(Engine):
         sync: bool = True,
         writemap: bool = True,
         part_bytes: int = 1 * _GIB,
+        txn_bytes: int = _TXN_BYTES,
     ) -> None:
         if not os.path.isabs(path):
             raise InvalidURLError(
@@ -128,6 +131,7 @@ class LMDBEngine(Engine):
         self._prefix = validate_prefix(prefix)
         self._options = dict(map_size=map_size, sync=sync, writemap=writemap)
         self.max_value_bytes = part_bytes
+        self.txn_bytes = txn_bytes
         self._shared: _SharedEnv | None = None
         self._pid = os.getpid()
 
@@ -145,11 +149,12 @@ class LMDBEngine(Engine):
             sync=take_option(opts, "sync", url, parse_bool, True),
             writemap=take_option(opts, "writemap", url, parse_bool, True),
             part_bytes=take_option(opts, "part_bytes", url, parse_size, 1 * _GIB),
+            txn_bytes=take_option(opts, "txn_bytes", url, parse_size, _TXN_BYTES),
         )
         if opts:
             raise InvalidURLError(
                 f"unknown option(s) {sorted(opts)} in LMDB URL {url!r}; known: prefix, "
-                "map_size, sync, writemap, part_bytes"
+                "map_size, sync, writemap, part_bytes, txn_bytes"
             )
         return cls(parts.path, **kwargs)
 
@@ -162,7 +167,10 @@ class LMDBEngine(Engine):
         return self._prefix
 
     def __reduce__(self) -> Any:
-        return (_rebuild, (self.path, self._prefix, self._options, self.max_value_bytes))
+        return (
+            _rebuild,
+            (self.path, self._prefix, self._options, self.max_value_bytes, self.txn_bytes),
+        )
 
     # -- environment ----------------------------------------------------------------------
 
@@ -239,7 +247,7 @@ class LMDBEngine(Engine):
         for key, value in items:
             batch.append((key.encode(), value))
             size += memoryview(value).nbytes
-            if size >= _TXN_BYTES:
+            if size >= self.txn_bytes:
                 self._put_batch(batch, size)
                 batch, size = [], 0
         if batch:
@@ -304,5 +312,7 @@ class LMDBEngine(Engine):
         self._write(apply, 1 * _MIB)
 
 
-def _rebuild(path: str, prefix: str, options: dict[str, Any], part_bytes: int) -> LMDBEngine:
-    return LMDBEngine(path, prefix=prefix, part_bytes=part_bytes, **options)
+def _rebuild(
+    path: str, prefix: str, options: dict[str, Any], part_bytes: int, txn_bytes: int
+) -> LMDBEngine:
+    return LMDBEngine(path, prefix=prefix, part_bytes=part_bytes, txn_bytes=txn_bytes, **options)
