@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import torch
@@ -31,10 +32,27 @@ def expected() -> dict[str, torch.Tensor]:
 
 
 def _init(rank: int, world_size: int, port: int) -> None:
+    import faulthandler
+
+    faulthandler.enable()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
+
+
+def _finish() -> None:
+    """Leave the job cleanly: all ranks done, then the process group torn down.
+
+    The process then exits with os._exit: torch 2.13's gloo can abort in a C++ static destructor
+    after the interpreter has finalized ("terminate called without an active exception"), which
+    would turn a rank that finished its work into a failure.
+    """
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spec(world_size: int) -> ChunkShardingSpec:
@@ -83,7 +101,7 @@ def save_worker(rank: int, world_size: int, port: int, url: str, cid: str) -> No
     dcp.save(
         distributed_state_dict(world_size), storage_writer=KVStorageWriter(url), checkpoint_id=cid
     )
-    dist.destroy_process_group()
+    _finish()
 
 
 def load_worker(rank: int, world_size: int, port: int, url: str, cid: str) -> None:
@@ -91,7 +109,7 @@ def load_worker(rank: int, world_size: int, port: int, url: str, cid: str) -> No
     sd = distributed_state_dict(world_size, fill_zeros=True)
     dcp.load(sd, storage_reader=KVStorageReader(url), checkpoint_id=cid)
     check_distributed(sd)
-    dist.destroy_process_group()
+    _finish()
 
 
 def load_single_process(url: str, cid: str) -> None:
@@ -120,7 +138,7 @@ def async_worker(rank: int, world_size: int, port: int, url: str) -> None:
         loaded = distributed_state_dict(world_size, fill_zeros=True)
         dcp.load(loaded, storage_reader=KVStorageReader(url), checkpoint_id=cid)
         check_distributed(loaded)
-    dist.destroy_process_group()
+    _finish()
 
 
 def rank_local_worker(rank: int, world_size: int, port: int, url: str) -> None:
@@ -133,11 +151,11 @@ def rank_local_worker(rank: int, world_size: int, port: int, url: str) -> None:
     dcp.load(out, storage_reader=KVStorageReader(url), checkpoint_id="local")
     assert torch.equal(out["w"], torch.full((4,), float(rank))), out
     assert out["rank"] == {"id": rank}
-    dist.destroy_process_group()
+    _finish()
 
 
 def fs_save_worker(rank: int, world_size: int, port: int, directory: str) -> None:
     """Stock DCP: FileSystemWriter at this world size (the source for `kvckpt import`)."""
     _init(rank, world_size, port)
     dcp.save(distributed_state_dict(world_size), checkpoint_id=directory)
-    dist.destroy_process_group()
+    _finish()
