@@ -421,13 +421,58 @@ class KVStorageReader(_KVStorageBase, StorageReader):
         return fut
 
     def _read_batch(self, batch: list[_ItemRead]) -> None:
-        assert self._record is not None
-        fetch_parts(
-            self.engine,
-            self._record,
-            [(item.index, item.loc) for item in batch],
-            lambda i, start, view: batch[i].add_part(start, view),
-        )
+        record = self._record
+        assert record is not None
+        direct = [item for item in batch if item.dest is not None]
+        staged = [item for item in batch if item.dest is None]
+        if direct:
+            # Values go from the engine straight into the destination tensors' memory.
+            keys: list[str] = []
+            buffers: list[memoryview] = []
+            for item in direct:
+                assert item.dest is not None
+                item_keys = item.loc.keys(self.engine.prefix, record.checkpoint_id, record.save_id)
+                for key, (start, stop) in zip(item_keys, item.ranges, strict=True):
+                    keys.append(key)
+                    buffers.append(item.dest[start:stop])
+            sizes = self.engine.get_into(keys, buffers)
+            for key, buffer, size in zip(keys, buffers, sizes, strict=True):
+                if size != buffer.nbytes:
+                    raise damaged(
+                        self.engine, record, key, key_fqn(direct, key), size, buffer.nbytes
+                    )
+            for item in direct:
+                item.commit()
+        if staged:
+            fetch_parts(
+                self.engine,
+                record,
+                [(item.index, item.loc) for item in staged],
+                lambda i, start, view: staged[i].add_part(start, view),
+            )
+
+
+def key_fqn(items: list[_ItemRead], key: str) -> str:
+    """The fqn a data key belongs to (for error messages only)."""
+    rank, n = key.split("/")[-3:-1]
+    for item in items:
+        if (str(item.loc.rank), str(item.loc.n)) == (rank, n):
+            return item.index.fqn
+    return "?"
+
+
+def damaged(
+    engine: Engine, record: CheckpointRecord, key: str, fqn: str, got: int | None, want: int
+) -> DataError:
+    problem = (
+        "is missing (deleted, evicted or expired)"
+        if got is None
+        else f"holds {got} bytes, expected {want}"
+    )
+    return DataError(
+        f"checkpoint {record.checkpoint_id!r} in {engine.url} is damaged: key "
+        f"{key!r} of {fqn!r} {problem}"
+    )
 
 
 def fetch_parts(
@@ -452,14 +497,13 @@ def fetch_parts(
     def consume(k: int, view: memoryview | None) -> None:
         i, start, stop = slots[k]
         if view is None or view.nbytes != stop - start:
-            problem = (
-                "is missing (deleted, evicted or expired)"
-                if view is None
-                else f"holds {view.nbytes} bytes, expected {stop - start}"
-            )
-            raise DataError(
-                f"checkpoint {record.checkpoint_id!r} in {engine.url} is damaged: key "
-                f"{keys[k]!r} of {items[i][0].fqn!r} {problem}"
+            raise damaged(
+                engine,
+                record,
+                keys[k],
+                items[i][0].fqn,
+                None if view is None else view.nbytes,
+                stop - start,
             )
         on_part(i, start, view)
 
@@ -467,7 +511,13 @@ def fetch_parts(
 
 
 class _ItemRead:
-    """Reassembles one stored item from its parts and applies it to every read request."""
+    """One stored item and the read requests it serves.
+
+    When one request wants the whole stored chunk and its destination is a contiguous CPU
+    tensor of the same dtype (a load without resharding), ``dest`` is that tensor's memory and
+    the engine reads the value straight into it. Otherwise the value is staged (zero-copy from
+    LMDB's map where possible) and narrowed into each destination.
+    """
 
     def __init__(
         self,
@@ -482,9 +532,9 @@ class _ItemRead:
         self.reqs, self.planner = reqs, planner
         self.ranges = part_ranges(loc.nbytes, loc.part_bytes)
         self.remaining = len(self.ranges)
-        self.buffer: torch.Tensor | None = None  # assembly of a multi-part item
-        self.direct: torch.Tensor | None = None  # destination bytes when parts go straight in
-        if self.remaining > 1 and index.offset is not None and len(reqs) == 1:
+        self.buffer: torch.Tensor | None = None  # assembly of a multi-part staged item
+        self.dest: memoryview | None = None
+        if index.offset is not None and len(reqs) == 1:
             self._try_direct()
 
     def _tensor_meta(self) -> tuple[torch.dtype, list[int]]:
@@ -500,9 +550,23 @@ class _ItemRead:
         if any(req.storage_offsets) or list(req.lengths) != sizes:
             return
         target = self.planner.resolve_tensor(req).detach()
-        if target.dtype == dtype and target.is_contiguous() and target.device.type == "cpu":
+        if (
+            target.dtype == dtype
+            and target.is_contiguous()
+            and target.device.type == "cpu"
+            and not target.is_conj()
+            and not target.is_neg()
+            and list(target.shape) == sizes
+        ):
             self.target = target
-            self.direct = target.reshape(-1).view(torch.uint8)
+            self.dest = (
+                memoryview(target.reshape(-1).view(torch.uint8).numpy())
+                if target.numel()
+                else memoryview(bytearray())
+            )
+
+    def commit(self) -> None:
+        self.planner.commit_tensor(self.reqs[0], self.target)
 
     def add_part(self, start: int, view: memoryview) -> None:
         self.remaining -= 1
@@ -510,19 +574,14 @@ class _ItemRead:
             self._apply(view)
             return
         if view.nbytes:
-            src = torch.frombuffer(view, dtype=torch.uint8)
-            if self.direct is not None:
-                self.direct[start : start + view.nbytes].copy_(src)
-            else:
-                if self.buffer is None:
-                    self.buffer = torch.empty(self.loc.nbytes, dtype=torch.uint8)
-                self.buffer[start : start + view.nbytes].copy_(src)
+            if self.buffer is None:
+                self.buffer = torch.empty(self.loc.nbytes, dtype=torch.uint8)
+            self.buffer[start : start + view.nbytes].copy_(
+                torch.frombuffer(view, dtype=torch.uint8)
+            )
         if self.remaining == 0:
-            if self.direct is not None:
-                self.planner.commit_tensor(self.reqs[0], self.target)
-            else:
-                assert self.buffer is not None
-                self._apply(memoryview(self.buffer.numpy()))
+            assert self.buffer is not None
+            self._apply(memoryview(self.buffer.numpy()))
 
     def _apply(self, view: memoryview) -> None:
         if self.index.offset is None:

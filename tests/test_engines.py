@@ -118,3 +118,29 @@ def test_redis_transact_logic_with_fakeredis() -> None:
     engine.transact(["m", "n"], lambda cur: {"m": cur[0] + cur[1], "n": None})
     assert engine.get("m") == b"12"
     assert engine.get("n") is None
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_redis_get_into_reads_into_buffers(redis_url: str, protocol: int) -> None:
+    engine = open_store(f"{redis_url}?protocol={protocol}")
+    engine.put_many([("g/a", b"a" * 100), ("g/b", b"b" * (3 << 20)), ("g/c", b"")])
+    bufs = [
+        memoryview(bytearray(100)),
+        memoryview(bytearray(3 << 20)),
+        memoryview(bytearray(0)),
+        memoryview(bytearray(7)),
+        memoryview(bytearray(5)),
+    ]
+    sizes = engine.get_into(["g/a", "g/b", "g/c", "g/missing", "g/a"], bufs)
+    assert sizes == [100, 3 << 20, 0, None, 100]  # the last one did not fit: size reported
+    assert bytes(bufs[0]) == b"a" * 100 and bytes(bufs[1]) == b"b" * (3 << 20)
+    # The connection is still in sync after a mismatch.
+    assert engine.get("g/a") == b"a" * 100
+
+
+def test_lmdb_get_into(lmdb_url: str) -> None:
+    engine = open_store(lmdb_url)
+    engine.put_many([("x", b"12345")])
+    bufs = [memoryview(bytearray(5)), memoryview(bytearray(2)), memoryview(bytearray(1))]
+    assert engine.get_into(["x", "x", "nope"], bufs) == [5, 5, None]
+    assert bytes(bufs[0]) == b"12345"

@@ -23,6 +23,16 @@ Consumer = Callable[[int, memoryview | None], None]
 Update = Callable[[list[bytes | None]], Mapping[str, bytes | None]]
 
 
+def copy_bytes(dest: memoryview, src: memoryview) -> None:
+    """memcpy, using torch's parallel copy for large buffers (2x on 2 cores)."""
+    if src.nbytes >= 1 << 20:
+        import torch
+
+        torch.frombuffer(dest, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
+    else:
+        dest[:] = src
+
+
 class Engine(ABC):
     """A key-value store as kvckpt uses it.
 
@@ -56,6 +66,26 @@ class Engine(ABC):
     def get_many(self, keys: Sequence[str], consume: Consumer) -> None:
         """Fetch many values in as few round trips as the engine allows, handing each to
         ``consume`` (zero-copy where the engine can)."""
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        """Read each value into the caller's writable buffer of the expected size.
+
+        Returns each value's actual size (None if the key is missing); where it differs from
+        the buffer's length the buffer's content is undefined. Engines that can read from the
+        network straight into the buffer override this; the default copies once from
+        ``get_many``'s view.
+        """
+        sizes: list[int | None] = [None] * len(keys)
+
+        def consume(i: int, view: memoryview | None) -> None:
+            if view is None:
+                return
+            sizes[i] = view.nbytes
+            if view.nbytes == buffers[i].nbytes:
+                copy_bytes(buffers[i], view)
+
+        self.get_many(keys, consume)
+        return sizes
 
     @abstractmethod
     def get(self, key: str) -> bytes | None:

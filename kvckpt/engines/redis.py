@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import re
+import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -74,7 +75,7 @@ class RedisEngine(Engine):
         url: str,
         *,
         prefix: str = DEFAULT_PREFIX,
-        part_bytes: int = 64 * _MIB,
+        part_bytes: int = 4 * _MIB,
         pipeline_bytes: int = 256 * _MIB,
         redis_url: str | None = None,
     ) -> None:
@@ -110,7 +111,7 @@ class RedisEngine(Engine):
             raise InvalidURLError(f"Redis URL {mask_url(url)} has an invalid port") from None
         ours = dict(
             prefix=take_option(opts, "prefix", url, validate_prefix, DEFAULT_PREFIX),
-            part_bytes=take_option(opts, "part_bytes", url, parse_size, 64 * _MIB),
+            part_bytes=take_option(opts, "part_bytes", url, parse_size, 4 * _MIB),
             pipeline_bytes=take_option(opts, "pipeline_bytes", url, parse_size, 256 * _MIB),
         )
         opts.setdefault("socket_connect_timeout", "10")
@@ -223,6 +224,28 @@ class RedisEngine(Engine):
         self._with_connection(work)
 
     @_translate_errors
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        def work(conn: Any) -> list[int | None]:
+            if conn._sock is None:
+                conn.connect()
+            reader = _BulkReader(conn._sock)
+            sizes: list[int | None] = []
+            for start in range(0, len(keys), _MAX_PIPELINE_KEYS):
+                batch = keys[start : start + _MAX_PIPELINE_KEYS]
+                packed = bytearray()
+                for key in batch:
+                    k = key.encode()
+                    packed += b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)
+                conn.send_packed_command([packed], check_health=False)
+                for i in range(len(batch)):
+                    sizes.append(reader.read_bulk_into(buffers[start + i]))
+            if reader.buffered():
+                raise redis.ConnectionError("unexpected bytes after the replies")
+            return sizes
+
+        return self._with_connection(work)
+
+    @_translate_errors
     def get(self, key: str) -> bytes | None:
         return self._client.get(key)
 
@@ -286,6 +309,89 @@ class RedisEngine(Engine):
     def info(self, section: str | None = None) -> dict[str, Any]:
         """The server's INFO (memory, policy) for preflight checks and diagnostics."""
         return self._client.info(section) if section else self._client.info()
+
+
+class _BulkReader:
+    """Reads RESP bulk-string replies straight into caller buffers with ``recv_into``.
+
+    redis-py (and hiredis) would first build a ``bytes`` object per reply and the caller would
+    copy it again; this reads each value's bytes from the socket into the destination tensor
+    once. Used on a pooled redis-py connection whose earlier replies are fully consumed.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray(64 * 1024)
+        self.view = memoryview(self.buf)
+        self.start = self.end = 0
+
+    def buffered(self) -> int:
+        return self.end - self.start
+
+    def _fill(self) -> None:
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif self.end == len(self.buf):
+            self.buf[: self.end - self.start] = self.buf[self.start : self.end]
+            self.end -= self.start
+            self.start = 0
+        n = self.sock.recv_into(self.view[self.end :])
+        if n == 0:
+            raise redis.ConnectionError("Redis closed the connection")
+        self.end += n
+
+    def _line(self) -> bytes:
+        while True:
+            i = self.buf.find(b"\r\n", self.start, self.end)
+            if i >= 0:
+                line = bytes(self.buf[self.start : i])
+                self.start = i + 2
+                return line
+            if self.end - self.start > 1024:
+                raise redis.ConnectionError("malformed reply from Redis")
+            self._fill()
+
+    def _read_into(self, dest: memoryview) -> None:
+        have = min(self.end - self.start, dest.nbytes)
+        dest[:have] = self.view[self.start : self.start + have]
+        self.start += have
+        pos = have
+        while pos < dest.nbytes:
+            n = self.sock.recv_into(dest[pos:])
+            if n == 0:
+                raise redis.ConnectionError("Redis closed the connection")
+            pos += n
+
+    def _skip(self, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, 1 << 20)))
+        while n > 0:
+            step = min(n, scratch.nbytes)
+            self._read_into(scratch[:step])
+            n -= step
+
+    def read_bulk_into(self, dest: memoryview) -> int | None:
+        line = self._line()
+        if line == b"_":  # RESP3 null (redis-py may negotiate protocol 3)
+            return None
+        if line.startswith(b"-"):
+            raise redis.ResponseError(line[1:].decode(errors="replace"))
+        if line.startswith(b"!"):  # RESP3 blob error
+            n = int(line[1:])
+            message = bytearray(n)
+            self._read_into(memoryview(message))
+            self._skip(2)
+            raise redis.ResponseError(message.decode(errors="replace"))
+        if not line.startswith(b"$"):
+            raise redis.ConnectionError(f"unexpected reply from Redis: {line[:40]!r}")
+        n = int(line[1:])
+        if n < 0:
+            return None
+        if n == dest.nbytes:
+            self._read_into(dest)
+        else:
+            self._skip(n)
+        self._skip(2)  # the CRLF after the value
+        return n
 
 
 def _rebuild(

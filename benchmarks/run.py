@@ -1,0 +1,670 @@
+"""kvckpt side-by-side benchmark: every baseline and every kvckpt path, in one run.
+
+    python benchmarks/run.py                       # 1 GiB state dict, 5 repeats (minutes)
+    python benchmarks/run.py --size-mib 8 --repeats 1 --small-tensors 200   # smoke run (CI)
+
+Baselines: DCP FileSystemWriter/Reader on /dev/shm and on disk, torch.save/load on /dev/shm,
+a minimal raw-socket Redis client (pipelined SET from memory, GET with recv_into straight into
+a preallocated buffer), raw LMDB put/get. kvckpt: LMDB (first save into a new store, steady
+state with keep_last, load), Redis (save, load), 10,000 small tensors, dcp.async_save blocking
+time, and peak anonymous RSS. Figures are medians; ratios are taken within this run.
+Writes results.json and results.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import torch
+import torch.distributed.checkpoint as dcp
+
+import kvckpt
+from kvckpt import KVStorageReader, KVStorageWriter
+from kvckpt.engines.lmdb import close_idle_environments
+from kvckpt.testing import RedisServer
+
+warnings.filterwarnings("ignore")
+KIB, MIB = 1 << 10, 1 << 20
+
+
+# -- workload -----------------------------------------------------------------------------------
+
+
+def make_state_dict(total_bytes: int) -> dict[str, torch.Tensor]:
+    """~50-64 fp32 tensors from 4 KiB up to 128 MiB (or total/8), `total_bytes` in all."""
+    largest = max(4 * KIB, min(128 * MIB, total_bytes // 8))
+    sizes = []
+    size = 4 * KIB
+    while size <= largest:
+        sizes.append(size)
+        size *= 2
+    repeat = max(1, round(total_bytes / sum(sizes)))
+    gen = torch.Generator().manual_seed(0)
+    return {
+        f"layer{r}.t{i}": torch.rand(n // 4, generator=gen)
+        for r in range(repeat)
+        for i, n in enumerate(sizes)
+    }
+
+
+def nbytes(sd: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in sd.values())
+
+
+def zeros_like(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {k: torch.empty_like(v) for k, v in sd.items()}
+    for t in out.values():
+        t.zero_()  # touch the pages: a preallocated, warm destination
+    return out
+
+
+def check(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    for k in a:
+        if not torch.equal(a[k], b[k]):
+            raise AssertionError(f"benchmark round trip differs at {k}")
+
+
+def timed(
+    fn: Callable[[], Any],
+    repeats: int,
+    setup: Callable[[], Any] | None = None,
+    teardown: Callable[[], Any] | None = None,
+) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        gc.collect()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if teardown is not None:
+            teardown()
+    return times
+
+
+# -- raw baselines ------------------------------------------------------------------------------
+
+
+class RawRedis:
+    """The smallest pipelined RESP client: SET from the caller's memory, GET into a buffer."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = bytearray(64 * KIB)
+        self.view = memoryview(self.buf)
+        self.start = self.end = 0
+
+    def _fill(self) -> None:
+        if self.start == self.end:
+            self.start = self.end = 0
+        n = self.sock.recv_into(self.view[self.end :])
+        if n == 0:
+            raise ConnectionError("redis closed the connection")
+        self.end += n
+
+    def _line(self) -> bytes:
+        while True:
+            i = self.buf.find(b"\r\n", self.start, self.end)
+            if i >= 0:
+                line = bytes(self.buf[self.start : i])
+                self.start = i + 2
+                return line
+            if self.start:
+                self.buf[: self.end - self.start] = self.buf[self.start : self.end]
+                self.end -= self.start
+                self.start = 0
+            self._fill()
+
+    def _read_into(self, dest: memoryview) -> None:
+        have = min(self.end - self.start, len(dest))
+        dest[:have] = self.view[self.start : self.start + have]
+        self.start += have
+        pos = have
+        while pos < len(dest):
+            pos += self.sock.recv_into(dest[pos:])
+
+    def set_many(self, items: list[tuple[bytes, memoryview]]) -> None:
+        for key, value in items:
+            self.sock.sendall(
+                b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(value))
+            )
+            self.sock.sendall(value)
+            self.sock.sendall(b"\r\n")
+        for _ in items:
+            if self._line() != b"+OK":
+                raise RuntimeError("SET failed")
+
+    def get_into(self, items: list[tuple[bytes, memoryview]]) -> None:
+        self.sock.sendall(
+            b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k, _ in items)
+        )
+        crlf = memoryview(bytearray(2))
+        for _, dest in items:
+            header = self._line()
+            if int(header[1:]) != len(dest):
+                raise RuntimeError(f"unexpected reply {header[:20]!r}")
+            self._read_into(dest)
+            self._read_into(crlf)
+
+
+def tensor_parts(sd: dict[str, torch.Tensor], part: int) -> list[tuple[bytes, memoryview]]:
+    items = []
+    for name, t in sd.items():
+        view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        for i, start in enumerate(range(0, len(view), part)):
+            items.append((f"raw/{name}/{i}".encode(), view[start : start + part]))
+    return items
+
+
+# -- RSS ------------------------------------------------------------------------------------------
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * KIB
+    return 0
+
+
+def peak_anon_rss_delta(fn: Callable[[], Any]) -> int:
+    """Peak anonymous RSS above the level at the start of ``fn`` (sampled every ms)."""
+    gc.collect()
+    base = _rss_anon()
+    peak = base
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _rss_anon())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        thread.join()
+    return max(0, max(peak, _rss_anon()) - base)
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    scratch = Path(tempfile.mkdtemp(prefix="kvckpt-bench-", dir=shm))
+    disk = Path(tempfile.mkdtemp(prefix="kvckpt-bench-", dir=args.disk_dir))
+    server = RedisServer(Path(tempfile.mkdtemp(prefix="kvckpt-bench-redis-")))
+    redis_url = server.url()
+    client = server.client()
+    results: dict[str, Any] = {}
+    seq = iter(range(10**9))
+
+    def fresh(base: Path) -> Path:
+        return base / f"d{next(seq)}"
+
+    def record(name: str, times: list[float], size: int) -> None:
+        med = statistics.median(times)
+        results[name] = {"median_s": med, "gbps": size / med / 1e9, "runs_s": times}
+        print(
+            f"  {name:<28} {size / med / 1e9:7.2f} GB/s  (median {med * 1e3:8.1f} ms)", flush=True
+        )
+
+    try:
+        sd = make_state_dict(args.size_mib * MIB)
+        size = nbytes(sd)
+        print(f"state dict: {len(sd)} tensors, {size / MIB:.0f} MiB; repeats: {args.repeats}")
+        dest = zeros_like(sd)
+        reps = args.repeats
+
+        # DCP FileSystemWriter / Reader
+        for label, base in (("shm", shm), ("disk", disk)):
+            for threads in (1, 2):
+                paths: list[Path] = []
+                record(
+                    f"dcp_fs_{label}_save_t{threads}",
+                    timed(
+                        lambda t=threads, p=paths, b=base: dcp.save(
+                            sd, storage_writer=dcp.FileSystemWriter(p[-1], thread_count=t)
+                        ),
+                        reps,
+                        setup=lambda p=paths, b=base: p.append(fresh(b)),
+                        teardown=lambda p=paths: shutil.rmtree(p[-1]),
+                    ),
+                    size,
+                )
+            saved = fresh(base)
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(saved))
+            record(
+                f"dcp_fs_{label}_load",
+                timed(lambda s=saved: dcp.load(dest, storage_reader=dcp.FileSystemReader(s)), reps),
+                size,
+            )
+            check(sd, dest)
+            shutil.rmtree(saved)
+
+        # torch.save / torch.load on shm
+        pt = scratch / "sd.pt"
+        record("torch_save_shm", timed(lambda: torch.save(sd, pt), reps), size)
+        record("torch_load_shm", timed(lambda: torch.load(pt, weights_only=True), reps), size)
+        pt.unlink()
+
+        # raw Redis
+        raw = RawRedis(server.port)
+        part = int(kvckpt.open_store(redis_url).max_value_bytes)
+        items = tensor_parts(sd, part)
+        record(
+            "raw_redis_set", timed(lambda: raw.set_many(items), reps, setup=client.flushall), size
+        )
+        raw.set_many(items)
+        dest_items = [
+            (k, d) for (k, _), (_, d) in zip(items, tensor_parts(dest, part), strict=True)
+        ]
+        record("raw_redis_get_into", timed(lambda: raw.get_into(dest_items), reps), size)
+        check(sd, dest)
+        client.flushall()
+
+        # raw LMDB
+        views = [(k, v) for k, v in tensor_parts(sd, 1 << 30)]
+        envs: list[lmdb.Environment] = []
+
+        def raw_put() -> None:
+            with envs[-1].begin(write=True) as txn:
+                for k, v in views:
+                    txn.put(k, v)
+
+        def new_env() -> None:
+            path = fresh(scratch)
+            envs.append(lmdb.open(str(path), map_size=4 * size + 64 * MIB, writemap=True))
+
+        def close_env() -> None:
+            envs[-1].close()
+            shutil.rmtree(envs[-1].path())
+
+        record("raw_lmdb_put_new", timed(raw_put, reps, setup=new_env, teardown=close_env), size)
+        new_env()
+        raw_put()
+        dviews = [v for _, v in tensor_parts(dest, 1 << 30)]
+
+        def raw_get() -> None:
+            with envs[-1].begin(buffers=True) as txn:
+                for (k, _), d in zip(views, dviews, strict=True):
+                    torch.frombuffer(d, dtype=torch.uint8).copy_(
+                        torch.frombuffer(txn.get(k), dtype=torch.uint8)
+                    )
+
+        record("raw_lmdb_get_copy", timed(raw_get, reps), size)
+        close_env()
+
+        # kvckpt LMDB
+        ids = (f"c{i}" for i in range(10**9))
+        urls: list[str] = []
+
+        def drop_store() -> None:
+            close_idle_environments()
+            shutil.rmtree(urls[-1].removeprefix("lmdb://"))
+
+        record(
+            "kv_lmdb_save_first",
+            timed(
+                lambda: dcp.save(sd, storage_writer=KVStorageWriter(urls[-1]), checkpoint_id="c"),
+                reps,
+                setup=lambda: urls.append(f"lmdb://{fresh(scratch)}"),
+                teardown=drop_store,
+            ),
+            size,
+        )
+        steady = f"lmdb://{fresh(scratch)}"
+        for _ in range(2):  # warm up: freed pages exist to be reused
+            dcp.save(
+                sd, storage_writer=KVStorageWriter(steady, keep_last=1), checkpoint_id=next(ids)
+            )
+        record(
+            "kv_lmdb_save_steady",
+            timed(
+                lambda: dcp.save(
+                    sd, storage_writer=KVStorageWriter(steady, keep_last=1), checkpoint_id=next(ids)
+                ),
+                reps,
+            ),
+            size,
+        )
+        latest = kvckpt.latest_checkpoint(steady)
+        record(
+            "kv_lmdb_load",
+            timed(
+                lambda: dcp.load(
+                    dest, storage_reader=KVStorageReader(steady), checkpoint_id=latest
+                ),
+                reps,
+            ),
+            size,
+        )
+        check(sd, dest)
+        close_idle_environments()
+        shutil.rmtree(steady.removeprefix("lmdb://"))
+
+        # kvckpt Redis
+        record(
+            "kv_redis_save",
+            timed(
+                lambda: dcp.save(sd, storage_writer=KVStorageWriter(redis_url), checkpoint_id="r"),
+                reps,
+                setup=client.flushall,
+            ),
+            size,
+        )
+        dcp.save(sd, storage_writer=KVStorageWriter(redis_url), checkpoint_id="r")
+        record(
+            "kv_redis_load",
+            timed(
+                lambda: dcp.load(
+                    dest, storage_reader=KVStorageReader(redis_url), checkpoint_id="r"
+                ),
+                reps,
+            ),
+            size,
+        )
+        check(sd, dest)
+        client.flushall()
+
+        # 10,000 small tensors: save + load wall time
+        small = {f"p{i}": torch.rand(1024) for i in range(args.small_tensors)}
+        small_dest = {k: torch.zeros_like(v) for k, v in small.items()}
+        small_size = nbytes(small)
+
+        def round_trip(make_writer: Callable[[], Any], make_reader: Callable[[], Any]) -> None:
+            dcp.save(small, storage_writer=make_writer(), checkpoint_id=None)
+            dcp.load(small_dest, storage_reader=make_reader())
+
+        small_dir: list[Path] = []
+        record(
+            "small_dcp_fs_shm",
+            timed(
+                lambda: round_trip(
+                    lambda: dcp.FileSystemWriter(small_dir[-1]),
+                    lambda: dcp.FileSystemReader(small_dir[-1]),
+                ),
+                reps,
+                setup=lambda: small_dir.append(fresh(scratch)),
+            ),
+            small_size,
+        )
+        small_lmdb = f"lmdb://{fresh(scratch)}"
+        record(
+            "small_kv_lmdb",
+            timed(
+                lambda: round_trip(
+                    lambda: KVStorageWriter(small_lmdb, checkpoint_id="s"),
+                    lambda: KVStorageReader(small_lmdb, checkpoint_id="s"),
+                ),
+                reps,
+            ),
+            small_size,
+        )
+        record(
+            "small_kv_redis",
+            timed(
+                lambda: round_trip(
+                    lambda: KVStorageWriter(redis_url, checkpoint_id="s"),
+                    lambda: KVStorageReader(redis_url, checkpoint_id="s"),
+                ),
+                reps,
+            ),
+            small_size,
+        )
+        check(small, small_dest)
+        client.flushall()
+
+        # dcp.async_save: time until the call returns (what training waits for)
+        def blocking(make_writer: Callable[[], Any]) -> list[float]:
+            times = []
+            for _ in range(reps):
+                writer = make_writer()
+                t0 = time.perf_counter()
+                fut = dcp.async_save(sd, storage_writer=writer, checkpoint_id=None)
+                times.append(time.perf_counter() - t0)
+                fut.result()
+            return times
+
+        async_dirs: list[Path] = []
+
+        def fs_writer() -> Any:
+            async_dirs.append(fresh(scratch))
+            return dcp.FileSystemWriter(async_dirs[-1])
+
+        async_lmdb = f"lmdb://{fresh(scratch)}"
+        record("async_block_dcp_fs_shm", blocking(fs_writer), size)
+        record(
+            "async_block_kv_lmdb",
+            blocking(lambda: KVStorageWriter(async_lmdb, checkpoint_id=next(ids), keep_last=1)),
+            size,
+        )
+        record(
+            "async_block_kv_redis",
+            blocking(lambda: KVStorageWriter(redis_url, checkpoint_id=next(ids), keep_last=1)),
+            size,
+        )
+        client.flushall()
+
+        # peak anonymous RSS above the state dict (one run each)
+        rss_lmdb = f"lmdb://{fresh(scratch)}"
+        rss = {
+            "kv_lmdb_save": peak_anon_rss_delta(
+                lambda: dcp.save(sd, storage_writer=KVStorageWriter(rss_lmdb), checkpoint_id="m")
+            ),
+            "kv_lmdb_load": peak_anon_rss_delta(
+                lambda: dcp.load(dest, storage_reader=KVStorageReader(rss_lmdb), checkpoint_id="m")
+            ),
+            "kv_redis_save": peak_anon_rss_delta(
+                lambda: dcp.save(sd, storage_writer=KVStorageWriter(redis_url), checkpoint_id="m")
+            ),
+            "kv_redis_load": peak_anon_rss_delta(
+                lambda: dcp.load(dest, storage_reader=KVStorageReader(redis_url), checkpoint_id="m")
+            ),
+        }
+        results["rss_delta_bytes"] = rss
+        results["state_dict_bytes"] = size
+        results["part_bytes_redis"] = part
+        for k, v in rss.items():
+            print(f"  peak anon RSS above state dict, {k:<14} {v / MIB:8.1f} MiB")
+    finally:
+        server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+    return results
+
+
+def ratios(r: dict[str, Any]) -> list[tuple[str, float, str, bool]]:
+    def g(name: str) -> float:
+        return r[name]["gbps"]
+
+    def t(name: str) -> float:
+        return r[name]["median_s"]
+
+    size = r["state_dict_bytes"]
+    chunk = r["part_bytes_redis"]
+    rows = [
+        (
+            "LMDB load / DCP FileSystemReader shm",
+            g("kv_lmdb_load") / g("dcp_fs_shm_load"),
+            ">= 5",
+            g("kv_lmdb_load") / g("dcp_fs_shm_load") >= 5,
+        ),
+        (
+            "LMDB save steady / DCP FS shm t=2",
+            g("kv_lmdb_save_steady") / g("dcp_fs_shm_save_t2"),
+            ">= 3",
+            g("kv_lmdb_save_steady") / g("dcp_fs_shm_save_t2") >= 3,
+        ),
+        (
+            "LMDB save first / DCP FS shm t=1",
+            g("kv_lmdb_save_first") / g("dcp_fs_shm_save_t1"),
+            ">= 1.0",
+            g("kv_lmdb_save_first") / g("dcp_fs_shm_save_t1") >= 1.0,
+        ),
+        (
+            "Redis save / raw-socket SET",
+            g("kv_redis_save") / g("raw_redis_set"),
+            ">= 0.8",
+            g("kv_redis_save") / g("raw_redis_set") >= 0.8,
+        ),
+        (
+            "Redis save / DCP FS shm t=1",
+            g("kv_redis_save") / g("dcp_fs_shm_save_t1"),
+            ">= 1.0",
+            g("kv_redis_save") / g("dcp_fs_shm_save_t1") >= 1.0,
+        ),
+        (
+            "Redis load / raw-socket GET-into",
+            g("kv_redis_load") / g("raw_redis_get_into"),
+            ">= 0.8",
+            g("kv_redis_load") / g("raw_redis_get_into") >= 0.8,
+        ),
+        (
+            "Redis load / DCP FileSystemReader shm",
+            g("kv_redis_load") / g("dcp_fs_shm_load"),
+            ">= 1.3",
+            g("kv_redis_load") / g("dcp_fs_shm_load") >= 1.3,
+        ),
+        (
+            "small tensors LMDB / DCP (wall time)",
+            t("small_kv_lmdb") / t("small_dcp_fs_shm"),
+            "<= 0.5",
+            t("small_kv_lmdb") / t("small_dcp_fs_shm") <= 0.5,
+        ),
+        (
+            "small tensors Redis / DCP (wall time)",
+            t("small_kv_redis") / t("small_dcp_fs_shm"),
+            "<= 0.5",
+            t("small_kv_redis") / t("small_dcp_fs_shm") <= 0.5,
+        ),
+        (
+            "async_save blocking LMDB / DCP",
+            t("async_block_kv_lmdb") / t("async_block_dcp_fs_shm"),
+            "<= 1.0",
+            t("async_block_kv_lmdb") / t("async_block_dcp_fs_shm") <= 1.0,
+        ),
+        (
+            "async_save blocking Redis / DCP",
+            t("async_block_kv_redis") / t("async_block_dcp_fs_shm"),
+            "<= 1.0",
+            t("async_block_kv_redis") / t("async_block_dcp_fs_shm") <= 1.0,
+        ),
+    ]
+    rss = r["rss_delta_bytes"]
+    for key, allowed, text in (
+        ("kv_lmdb_save", 0.1 * size + chunk, "<= 10% + 1 chunk"),
+        ("kv_redis_save", 0.1 * size + chunk, "<= 10% + 1 chunk"),
+        ("kv_lmdb_load", chunk, "<= 1 chunk"),
+        ("kv_redis_load", chunk, "<= 1 chunk"),
+    ):
+        rows.append(
+            (
+                f"peak anon RSS {key} / state dict",
+                rss[key] / size,
+                f"{text} ({allowed / size:.3f})",
+                rss[key] <= allowed,
+            )
+        )
+    return rows
+
+
+def chart(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [
+        k
+        for k, v in results.items()
+        if isinstance(v, dict) and "gbps" in v and not k.startswith(("small_", "async_"))
+    ]
+    values = [results[k]["gbps"] for k in names]
+    colors = ["tab:orange" if k.startswith("kv_") else "tab:gray" for k in names]
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(names) + 1.5))
+    ax.barh(names[::-1], values[::-1], color=colors[::-1])
+    ax.set_xlabel("GB/s (median)")
+    ax.set_title(
+        f"kvckpt vs baselines, {results['state_dict_bytes'] / MIB:.0f} MiB state dict "
+        f"({results['machine']})",
+        fontsize=9,
+    )
+    for i, v in enumerate(values[::-1]):
+        ax.text(v, i, f" {v:.2f}", va="center", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--size-mib", type=int, default=1024, help="state dict size")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per case (median taken)")
+    parser.add_argument(
+        "--small-tensors",
+        type=int,
+        default=10_000,
+        help="number of 4 KiB tensors in the small-tensor case",
+    )
+    parser.add_argument("--disk-dir", default=None, help="a directory on disk (default: /tmp)")
+    parser.add_argument("--out", default="benchmarks/results", help="where results go")
+    parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
+    args = parser.parse_args(argv)
+    results = run(args)
+    results["machine"] = (
+        f"{platform.machine()}, {os.cpu_count()} cores, "
+        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f}"
+        f" GiB, Python {platform.python_version()}, torch {torch.__version__}"
+    )
+    results["date"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    results["command"] = "python benchmarks/run.py " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    rows = ratios(results)
+    results["ratios"] = [
+        {"metric": m, "value": v, "target": tgt, "met": ok} for m, v, tgt, ok in rows
+    ]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    lines = ["| metric | measured | target | met |", "|---|---|---|---|"]
+    lines += [f"| {m} | {v:.2f} | {tgt} | {'yes' if ok else 'no'} |" for m, v, tgt, ok in rows]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n" + "\n".join(lines))
+    if not args.no_chart:
+        with contextlib.suppress(ImportError):
+            chart(results, out / "results.png")
+    chart_note = "" if args.no_chart else ", results.png"
+    print(f"\nwrote {out / 'results.json'}, results.md{chart_note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
