@@ -301,8 +301,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             envs.append(lmdb.open(str(path), map_size=4 * size + 64 * MIB, writemap=True))
 
         def close_env() -> None:
+            path = envs[-1].path()
             envs[-1].close()
-            shutil.rmtree(envs[-1].path())
+            shutil.rmtree(path)
 
         record("raw_lmdb_put_new", timed(raw_put, reps, setup=new_env, teardown=close_env), size)
         new_env()

@@ -7,10 +7,12 @@ not be able to run code in the job that reads it. Decoding validates every field
 
 from __future__ import annotations
 
+import gc
 import math
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +88,9 @@ def data_prefix(prefix: str, checkpoint_id: str | None = None, save_id: str | No
 
 def part_ranges(nbytes: int, part_bytes: int) -> list[tuple[int, int]]:
     """The byte ranges of an item's parts; an empty item has one empty part."""
-    count = max(1, math.ceil(nbytes / part_bytes))
+    if nbytes <= part_bytes:
+        return [(0, nbytes)]
+    count = -(-nbytes // part_bytes)
     return [(i * part_bytes, min((i + 1) * part_bytes, nbytes)) for i in range(count)]
 
 
@@ -100,8 +104,10 @@ class ItemLocation:
     part_bytes: int
 
     def keys(self, prefix: str, checkpoint_id: str, save_id: str) -> list[str]:
-        base = f"{data_prefix(prefix, checkpoint_id, save_id)}{self.rank}/{self.n}/"
-        return [f"{base}{i}" for i in range(len(part_ranges(self.nbytes, self.part_bytes)))]
+        base = f"{prefix}/data/{checkpoint_id}/{save_id}/{self.rank}/{self.n}/"
+        if self.nbytes <= self.part_bytes:
+            return [base + "0"]
+        return [f"{base}{i}" for i in range(-(-self.nbytes // self.part_bytes))]
 
 
 @dataclass
@@ -159,10 +165,41 @@ def _unpackb(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_ext_hook, use_list=True)
 
 
+def _is_paths(value: Any) -> bool:
+    """DCP's default planner data: {flat fqn: (key, key, ...)} with str or int keys."""
+    return type(value) is dict and all(
+        type(path) is tuple and all(type(p) is str or type(p) is int for p in path)
+        for path in value.values()
+    )
+
+
+def _encode_planner_data(value: Any) -> dict[str, Any]:
+    # The common shape gets a plain encoding (10,000 tuple extensions would cost more to decode
+    # than everything else in the metadata); anything else goes through the tuple extension.
+    if value is not None and _is_paths(value):
+        return {"planner_paths": {k: list(v) for k, v in value.items()}}
+    return {"planner_data": value}
+
+
+def _decode_planner_data(chk: _Checker, doc: dict[str, Any]) -> Any:
+    paths = doc.get("planner_paths")
+    if paths is None:
+        return doc.get("planner_data")
+    if type(paths) is not dict or not all(type(v) is list for v in paths.values()):
+        raise chk.fail("planner_paths should map strings to lists")
+    return {k: tuple(v) for k, v in paths.items()}
+
+
 # -- encode -------------------------------------------------------------------------------
 
 
-def encode_metadata(
+def encode_metadata(*args: Any, **kwargs: Any) -> bytes:
+    """Encode DCP ``Metadata`` and item locations as the msgpack metadata of docs/FORMAT.md."""
+    with gc_paused():
+        return _encode_metadata(*args, **kwargs)
+
+
+def _encode_metadata(
     metadata: Metadata,
     locations: Mapping[MetadataIndex, ItemLocation],
     *,
@@ -212,7 +249,7 @@ def encode_metadata(
         "tensors": tensors,
         "objects": objects,
         "items": items,
-        "planner_data": metadata.planner_data,
+        **_encode_planner_data(metadata.planner_data),
         "storage_meta": None
         if sm is None
         else {
@@ -228,6 +265,16 @@ def encode_metadata(
 
 
 # -- decode -------------------------------------------------------------------------------
+
+
+def _shape(chk: _Checker, value: Any, name: str) -> tuple[int, ...]:
+    """A list of at most 64 non-negative ints (not bools), as a tuple."""
+    if type(value) is not list or len(value) > _MAX_NDIM:
+        raise chk.fail(f"{name} should be a list of at most {_MAX_NDIM} non-negative ints")
+    for v in value:
+        if type(v) is not int or v < 0:
+            raise chk.fail(f"{name} should be a list of at most {_MAX_NDIM} non-negative ints")
+    return tuple(value)
 
 
 class _Checker:
@@ -252,18 +299,27 @@ class _Checker:
             raise self.fail(f"field {name!r} should be {names}, not {type(value).__name__}")
         return value
 
-    def ints(self, value: Any, name: str, max_len: int = _MAX_NDIM) -> list[int]:
-        if (
-            not isinstance(value, list)
-            or len(value) > max_len
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
-        ):
-            raise self.fail(f"{name} should be a list of at most {max_len} non-negative ints")
-        return value
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Building 100,000s of small objects would trigger the cyclic GC over and over, each
+    pass walking every object of a process that holds a model: pause it (msgpack's advice)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def decode_metadata(raw: bytes, *, where: str) -> CheckpointRecord:
     """Decode and validate a metadata value; ``where`` names the checkpoint in errors."""
+    with gc_paused():
+        return _decode_metadata(raw, where)
+
+
+def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
     chk = _Checker(where)
     if len(raw) > MAX_METADATA_BYTES:
         raise chk.fail(f"{len(raw)} bytes is more than metadata can be")
@@ -302,48 +358,65 @@ def decode_metadata(raw: bytes, *, where: str) -> CheckpointRecord:
     if chk.get(doc, "byteorder", str, optional=True) not in (None, "little"):
         raise chk.fail("byteorder should be 'little'")
 
+    # The loops below run once per tensor and per item (10,000s): they check types with
+    # ``type(x) is int`` (bool is a subclass of int and must not pass) and build each DCP object
+    # once, because decoding is on the critical path of every load.
     sd_meta: dict[str, Any] = {}
-    chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[list[int], torch.dtype]] = {}
+    chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]] = {}
+    properties: dict[tuple[torch.dtype, bool], TensorProperties] = {}
     for fqn, t in chk.get(doc, "tensors", dict).items():
-        if not isinstance(t, dict):
+        if type(t) is not dict:
             raise chk.fail(f"tensor {fqn!r} should be a map")
-        name = chk.get(t, "dtype", str)
-        if name not in DTYPES:
-            raise chk.fail(f"tensor {fqn!r} has unknown dtype {name!r}")
-        dtype = DTYPES[name]
-        size = chk.ints(chk.get(t, "size", list), f"size of {fqn!r}")
+        dtype = DTYPES.get(t.get("dtype"))  # type: ignore[arg-type]
+        if dtype is None:
+            raise chk.fail(f"tensor {fqn!r} has unknown dtype {t.get('dtype')!r}")
+        size = _shape(chk, t.get("size"), f"size of {fqn!r}")
+        raw_chunks = t.get("chunks")
+        if type(raw_chunks) is not list:
+            raise chk.fail(f"field 'chunks' of {fqn!r} should be a list")
         chunks = []
-        for c in chk.get(t, "chunks", list):
-            if not (isinstance(c, list) and len(c) == 2):
+        for c in raw_chunks:
+            if type(c) is not list or len(c) != 2:
                 raise chk.fail(f"chunk of {fqn!r} should be [offsets, sizes]")
-            off = chk.ints(c[0], f"chunk offsets of {fqn!r}")
-            sz = chk.ints(c[1], f"chunk sizes of {fqn!r}")
+            off = _shape(chk, c[0], f"chunk offsets of {fqn!r}")
+            sz = _shape(chk, c[1], f"chunk sizes of {fqn!r}")
             if (
                 len(off) != len(size)
                 or len(sz) != len(size)
                 or any(o + s > g for o, s, g in zip(off, sz, size, strict=True))
             ):
-                raise chk.fail(f"chunk {off}+{sz} of {fqn!r} lies outside its size {size}")
+                raise chk.fail(
+                    f"chunk {list(off)}+{list(sz)} of {fqn!r} lies outside its size {list(size)}"
+                )
             chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(sz)))
-            chunk_sizes[(fqn, tuple(off))] = (sz, dtype)
-        props = TensorProperties(dtype=dtype, requires_grad=bool(t.get("requires_grad", False)))
+            chunk_sizes[(fqn, off)] = (sz, dtype)
+        grad = t.get("requires_grad") is True
+        props = properties.get((dtype, grad))
+        if props is None:
+            props = properties[(dtype, grad)] = TensorProperties(dtype=dtype, requires_grad=grad)
         sd_meta[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
     for fqn in chk.get(doc, "objects", list):
-        if not isinstance(fqn, str):
+        if type(fqn) is not str:
             raise chk.fail("objects should be a list of strings")
         sd_meta[fqn] = BytesStorageMetadata()
 
     locations: dict[MetadataIndex, ItemLocation] = {}
     for item in chk.get(doc, "items", list):
-        if not (isinstance(item, list) and len(item) == 6 and isinstance(item[0], str)):
+        if type(item) is not list or len(item) != 6 or type(item[0]) is not str:
             raise chk.fail(
                 f"item {str(item)[:80]} should be [fqn, offsets, rank, n, nbytes, part_bytes]"
             )
         fqn, offsets, irank, n, nbytes, part_bytes = item
-        for label, v in (("rank", irank), ("n", n), ("nbytes", nbytes)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise chk.fail(f"item {fqn!r}: {label} should be a non-negative int")
-        if not isinstance(part_bytes, int) or isinstance(part_bytes, bool) or part_bytes < 1:
+        if (
+            type(irank) is not int
+            or type(n) is not int
+            or type(nbytes) is not int
+            or irank < 0
+            or n < 0
+            or nbytes < 0
+        ):
+            raise chk.fail(f"item {fqn!r}: rank, n and nbytes should be non-negative ints")
+        if type(part_bytes) is not int or part_bytes < 1:
             raise chk.fail(f"item {fqn!r}: part_bytes should be a positive int")
         if nbytes > MAX_PARTS * part_bytes:
             raise chk.fail(
@@ -351,19 +424,20 @@ def decode_metadata(raw: bytes, *, where: str) -> CheckpointRecord:
                 f"than {MAX_PARTS} parts"
             )
         if offsets is None:
-            if not isinstance(sd_meta.get(fqn), BytesStorageMetadata):
+            if type(sd_meta.get(fqn)) is not BytesStorageMetadata:
                 raise chk.fail(f"object item {fqn!r} is not declared in 'objects'")
             index = MetadataIndex(fqn)
         else:
-            off = tuple(chk.ints(offsets, f"item offsets of {fqn!r}"))
-            if (fqn, off) not in chunk_sizes:
+            off = _shape(chk, offsets, f"item offsets of {fqn!r}")
+            chunk = chunk_sizes.get((fqn, off))
+            if chunk is None:
                 raise chk.fail(f"item {fqn!r} at {list(off)} matches no chunk of that tensor")
-            sz, dtype = chunk_sizes[(fqn, off)]
+            sz, dtype = chunk
             expected = math.prod(sz) * dtype.itemsize
             if nbytes != expected:
                 raise chk.fail(
                     f"item {fqn!r} at {list(off)} declares {nbytes} bytes but its "
-                    f"chunk {sz} of {dtype_name(dtype)} has {expected}"
+                    f"chunk {list(sz)} of {dtype_name(dtype)} has {expected}"
                 )
             index = MetadataIndex(fqn, off)
         locations[index] = ItemLocation(irank, n, nbytes, part_bytes)
@@ -383,7 +457,7 @@ def decode_metadata(raw: bytes, *, where: str) -> CheckpointRecord:
         )
     metadata = Metadata(
         state_dict_metadata=sd_meta,
-        planner_data=doc.get("planner_data"),
+        planner_data=_decode_planner_data(chk, doc),
         storage_data=locations,
         storage_meta=storage_meta,
         version=chk.get(doc, "dcp_version", str, optional=True),

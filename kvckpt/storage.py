@@ -50,6 +50,7 @@ from .format import (
     CheckpointRecord,
     ItemLocation,
     decode_metadata,
+    gc_paused,
     meta_key,
     meta_prefix,
     parse_meta_key,
@@ -252,7 +253,8 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                     yield key, view[start:stop]
 
         try:
-            self.engine.put_many(values())
+            with gc_paused():
+                self.engine.put_many(values())
         except BaseException:
             self._discard_partial(checkpoint_id, where)
             raise
@@ -393,6 +395,13 @@ class KVStorageReader(_KVStorageBase, StorageReader):
         record = self._record
         if record is None:
             raise KVCheckpointError("read_data called before read_metadata")
+        with gc_paused():
+            self._read_all(record, plan, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_all(self, record: CheckpointRecord, plan: LoadPlan, planner: LoadPlanner) -> None:
         groups: dict[MetadataIndex, list[ReadItem]] = {}
         for req in plan.items:
             groups.setdefault(req.storage_index, []).append(req)
@@ -416,9 +425,6 @@ class KVStorageReader(_KVStorageBase, StorageReader):
                     batch, size = [], 0
             if batch:
                 self._read_batch(batch)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     def _read_batch(self, batch: list[_ItemRead]) -> None:
         record = self._record
