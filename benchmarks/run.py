@@ -365,6 +365,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             size,
         )
         check(sd, dest)
+        dcp.save(sd, storage_writer=KVStorageWriter(steady, checksums=True), checkpoint_id="sum")
+        record(
+            "kv_lmdb_load_verify",
+            timed(
+                lambda: dcp.load(
+                    dest, storage_reader=KVStorageReader(steady, verify=True), checkpoint_id="sum"
+                ),
+                reps,
+            ),
+            size,
+        )
         close_idle_environments()
         shutil.rmtree(steady.removeprefix("lmdb://"))
 
@@ -384,6 +395,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             timed(
                 lambda: dcp.load(
                     dest, storage_reader=KVStorageReader(redis_url), checkpoint_id="r"
+                ),
+                reps,
+            ),
+            size,
+        )
+        record(
+            "kv_redis_load_noverify",
+            timed(
+                lambda: dcp.load(
+                    dest, storage_reader=KVStorageReader(redis_url, verify=False), checkpoint_id="r"
                 ),
                 reps,
             ),
@@ -576,6 +597,19 @@ def ratios(r: dict[str, Any]) -> list[tuple[str, float, str, bool]]:
             t("async_block_kv_redis") / t("async_block_dcp_fs_shm") <= 1.0,
         ),
     ]
+    for label, plain, summed in (
+        ("LMDB", "kv_lmdb_load", "kv_lmdb_load_verify"),
+        ("Redis", "kv_redis_load_noverify", "kv_redis_load"),
+    ):
+        cost = t(summed) / t(plain) - 1
+        rows.append(
+            (
+                f"checksum cost, {label} load (fraction of load time)",
+                cost,
+                "<= 0.10 to be on by default",
+                cost <= 0.10,
+            )
+        )
     rss = r["rss_delta_bytes"]
     for key, allowed, text in (
         ("kv_lmdb_save", 0.1 * size + chunk, "<= 10% + 1 chunk"),

@@ -41,3 +41,7 @@ class DataError(KVCheckpointError):
 
 class UnsafeObjectError(KVCheckpointError):
     """A stored object would need unrestricted unpickling to load."""
+
+
+class IntegrityError(DataError):
+    """A value's checksum does not match the one recorded when it was saved."""

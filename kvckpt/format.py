@@ -18,6 +18,7 @@ from typing import Any
 
 import msgpack
 import torch
+import xxhash
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -28,10 +29,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .errors import MetadataError, UnsupportedFormatVersionError
+from .errors import InvalidCheckpointIdError, MetadataError, UnsupportedFormatVersionError
 from .urls import validate_name
 
 MAGIC = "kvckpt"
+#: The checksum algorithm of docs/FORMAT.md: xxHash XXH3, 64 bits, seed 0, of each part.
+CHECKSUM = "xxh3_64"
 FORMAT_VERSION = 1
 _EXT_TUPLE = 1
 #: Bounds that keep a hostile metadata value from making the decoder allocate without limit.
@@ -86,6 +89,11 @@ def data_prefix(prefix: str, checkpoint_id: str | None = None, save_id: str | No
     return key
 
 
+def checksum(data: memoryview | bytes) -> int:
+    """The checksum of one value (one part of an item)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
 def part_ranges(nbytes: int, part_bytes: int) -> list[tuple[int, int]]:
     """The byte ranges of an item's parts; an empty item has one empty part."""
     if nbytes <= part_bytes:
@@ -102,6 +110,8 @@ class ItemLocation:
     n: int
     nbytes: int
     part_bytes: int
+    #: xxh3_64 of each part's bytes, or None if the save recorded no checksums.
+    checksums: tuple[int, ...] | None = None
 
     def keys(self, prefix: str, checkpoint_id: str, save_id: str) -> list[str]:
         base = f"{prefix}/data/{checkpoint_id}/{save_id}/{self.rank}/{self.n}/"
@@ -231,6 +241,7 @@ def _encode_metadata(
             loc.n,
             loc.nbytes,
             loc.part_bytes,
+            None if loc.checksums is None else list(loc.checksums),
         ]
         for idx, loc in locations.items()
     ]
@@ -245,6 +256,7 @@ def _encode_metadata(
         "rank": rank,
         "total_bytes": sum(loc.nbytes for loc in locations.values()),
         "byteorder": "little",
+        "checksum": CHECKSUM if any(loc.checksums for loc in locations.values()) else None,
         "dcp_version": metadata.version,
         "tensors": tensors,
         "objects": objects,
@@ -346,7 +358,11 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
     if version < 1:
         raise chk.fail(f"format version {version} does not exist")
 
-    checkpoint_id = validate_name(chk.get(doc, "checkpoint_id", str))
+    checkpoint_id = chk.get(doc, "checkpoint_id", str)
+    try:
+        validate_name(checkpoint_id)
+    except InvalidCheckpointIdError as e:
+        raise chk.fail(f"field 'checkpoint_id': {e}") from None
     save_id = chk.get(doc, "save_id", str)
     if len(save_id) != 32 or any(c not in "0123456789abcdef" for c in save_id):
         raise chk.fail("save_id should be 32 lowercase hex digits")
@@ -357,6 +373,8 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
         raise chk.fail(f"world_size {world_size} / rank {rank} out of range")
     if chk.get(doc, "byteorder", str, optional=True) not in (None, "little"):
         raise chk.fail("byteorder should be 'little'")
+    if chk.get(doc, "checksum", str, optional=True) not in (None, CHECKSUM):
+        raise chk.fail(f"unknown checksum algorithm {doc.get('checksum')!r}")
 
     # The loops below run once per tensor and per item (10,000s): they check types with
     # ``type(x) is int`` (bool is a subclass of int and must not pass) and build each DCP object
@@ -402,11 +420,13 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
 
     locations: dict[MetadataIndex, ItemLocation] = {}
     for item in chk.get(doc, "items", list):
-        if type(item) is not list or len(item) != 6 or type(item[0]) is not str:
+        if type(item) is not list or len(item) not in (6, 7) or type(item[0]) is not str:
             raise chk.fail(
-                f"item {str(item)[:80]} should be [fqn, offsets, rank, n, nbytes, part_bytes]"
+                f"item {str(item)[:80]} should be [fqn, offsets, rank, n, nbytes, part_bytes, "
+                "checksums]"
             )
-        fqn, offsets, irank, n, nbytes, part_bytes = item
+        fqn, offsets, irank, n, nbytes, part_bytes = item[:6]
+        sums = item[6] if len(item) == 7 else None
         if (
             type(irank) is not int
             or type(n) is not int
@@ -440,7 +460,15 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
                     f"chunk {list(sz)} of {dtype_name(dtype)} has {expected}"
                 )
             index = MetadataIndex(fqn, off)
-        locations[index] = ItemLocation(irank, n, nbytes, part_bytes)
+        if sums is not None:
+            if (
+                type(sums) is not list
+                or len(sums) != len(part_ranges(nbytes, part_bytes))
+                or not all(type(x) is int and 0 <= x < 1 << 64 for x in sums)
+            ):
+                raise chk.fail(f"item {fqn!r}: checksums should be one 64-bit int per part")
+            sums = tuple(sums)
+        locations[index] = ItemLocation(irank, n, nbytes, part_bytes, sums)
 
     sm = chk.get(doc, "storage_meta", dict, optional=True)
     storage_meta = None

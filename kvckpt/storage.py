@@ -41,6 +41,7 @@ from .engines.base import Engine
 from .errors import (
     CheckpointNotFoundError,
     DataError,
+    IntegrityError,
     InvalidCheckpointIdError,
     KVCheckpointError,
     MetadataError,
@@ -49,6 +50,7 @@ from .errors import (
 from .format import (
     CheckpointRecord,
     ItemLocation,
+    checksum,
     decode_metadata,
     gc_paused,
     meta_key,
@@ -141,6 +143,9 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         ttl: seconds (or a timedelta) after which the whole checkpoint expires by itself —
             metadata first, data a little later, so no reader sees a half-expired checkpoint.
             Redis only.
+        checksums: record an xxh3 checksum of every value, which loads and ``kvckpt verify``
+            check. Default: the engine's choice (on for Redis, off for LMDB, where hashing
+            would cost more than half the load time; see docs/RELIABILITY.md).
         cache_staged_state_dict: reuse one staging copy across ``dcp.async_save`` calls (as
             DCP's ``FileSystemWriter``).
     """
@@ -153,6 +158,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         overwrite: bool = True,
         keep_last: int | None = None,
         ttl: float | datetime.timedelta | None = None,
+        checksums: bool | None = None,
         cache_staged_state_dict: bool = False,
     ) -> None:
         super().__init__()
@@ -177,6 +183,11 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                     "cannot. Use keep_last= or kvckpt gc to bound what is kept instead."
                 )
         self.ttl = ttl
+        self.checksums = (
+            bool(getattr(self.engine, "checksums_by_default", False))
+            if checksums is None
+            else checksums
+        )
         self.save_id = _new_save_id()
         self.rank: int | None = None
         self.use_collectives = True
@@ -242,14 +253,14 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                     view = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
                 else:
                     view = tensor_bytes(data)
-                loc = ItemLocation(where.rank, n, view.nbytes, part_bytes)
+                ranges = part_ranges(view.nbytes, part_bytes)
+                sums = tuple(checksum(view[a:b]) for a, b in ranges) if self.checksums else None
+                loc = ItemLocation(where.rank, n, view.nbytes, part_bytes, sums)
                 results.append(
                     WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=loc)
                 )
                 keys = loc.keys(prefix, checkpoint_id, where.save_id)
-                for (start, stop), key in zip(
-                    part_ranges(view.nbytes, part_bytes), keys, strict=True
-                ):
+                for (start, stop), key in zip(ranges, keys, strict=True):
                     yield key, view[start:stop]
 
         try:
@@ -315,6 +326,8 @@ class KVStorageReader(_KVStorageBase, StorageReader):
         weights_only: load non-tensor objects under ``torch.load(weights_only=True)`` rules
             (the default), so a store that others can write to cannot run code in this
             process. Pass False only for a store you trust with objects that need it.
+        verify: check each value against the checksum recorded at save (when the save recorded
+            them). Default: the engine's choice (on for Redis, off for LMDB).
         batch_bytes: how many bytes to request from the engine per batch (bounds memory).
     """
 
@@ -324,12 +337,16 @@ class KVStorageReader(_KVStorageBase, StorageReader):
         *,
         checkpoint_id: str | os.PathLike | None = None,
         weights_only: bool = True,
+        verify: bool | None = None,
         batch_bytes: int = _DEFAULT_BATCH_BYTES,
     ) -> None:
         super().__init__()
         self.engine = open_store(store)
         self.checkpoint_id = _checkpoint_id(checkpoint_id)
         self.weights_only = weights_only
+        self.verify = (
+            bool(getattr(self.engine, "checksums_by_default", False)) if verify is None else verify
+        )
         self.batch_bytes = batch_bytes
         self.load_id = _new_save_id()
         self._record: CheckpointRecord | None = None
@@ -435,18 +452,22 @@ class KVStorageReader(_KVStorageBase, StorageReader):
             # Values go from the engine straight into the destination tensors' memory.
             keys: list[str] = []
             buffers: list[memoryview] = []
+            sums: list[int | None] = []
             for item in direct:
                 assert item.dest is not None
                 item_keys = item.loc.keys(self.engine.prefix, record.checkpoint_id, record.save_id)
-                for key, (start, stop) in zip(item_keys, item.ranges, strict=True):
+                for p, (key, (start, stop)) in enumerate(zip(item_keys, item.ranges, strict=True)):
                     keys.append(key)
                     buffers.append(item.dest[start:stop])
+                    sums.append(item.loc.checksums[p] if item.loc.checksums else None)
             sizes = self.engine.get_into(keys, buffers)
-            for key, buffer, size in zip(keys, buffers, sizes, strict=True):
+            for key, buffer, size, expected in zip(keys, buffers, sizes, sums, strict=True):
                 if size != buffer.nbytes:
                     raise damaged(
                         self.engine, record, key, key_fqn(direct, key), size, buffer.nbytes
                     )
+                if self.verify and expected is not None and checksum(buffer) != expected:
+                    raise corrupted(self.engine, record, key, key_fqn(direct, key))
             for item in direct:
                 item.commit()
         if staged:
@@ -455,6 +476,7 @@ class KVStorageReader(_KVStorageBase, StorageReader):
                 record,
                 [(item.index, item.loc) for item in staged],
                 lambda i, start, view: staged[i].add_part(start, view),
+                verify=self.verify,
             )
 
 
@@ -481,27 +503,35 @@ def damaged(
     )
 
 
+def corrupted(engine: Engine, record: CheckpointRecord, key: str, fqn: str) -> IntegrityError:
+    return IntegrityError(
+        f"checkpoint {record.checkpoint_id!r} in {engine.url} is corrupted: key {key!r} of "
+        f"{fqn!r} does not match the checksum recorded when it was saved"
+    )
+
+
 def fetch_parts(
     engine: Engine,
     record: CheckpointRecord,
     items: Sequence[tuple[MetadataIndex, ItemLocation]],
     on_part: Callable[[int, int, memoryview], None],
+    *,
+    verify: bool = False,
 ) -> None:
     """Fetch every part of ``items`` in one engine batch, checking each exists with the size
     the metadata promises; ``on_part(item position, byte offset, view)`` gets each part (the
     view is valid only during the call)."""
     keys: list[str] = []
-    slots: list[tuple[int, int, int]] = []
+    slots: list[tuple[int, int, int, int | None]] = []
     for i, (_, loc) in enumerate(items):
         item_keys = loc.keys(engine.prefix, record.checkpoint_id, record.save_id)
-        for key, (start, stop) in zip(
-            item_keys, part_ranges(loc.nbytes, loc.part_bytes), strict=True
-        ):
+        ranges = part_ranges(loc.nbytes, loc.part_bytes)
+        for p, (key, (start, stop)) in enumerate(zip(item_keys, ranges, strict=True)):
             keys.append(key)
-            slots.append((i, start, stop))
+            slots.append((i, start, stop, loc.checksums[p] if loc.checksums else None))
 
     def consume(k: int, view: memoryview | None) -> None:
-        i, start, stop = slots[k]
+        i, start, stop, expected = slots[k]
         if view is None or view.nbytes != stop - start:
             raise damaged(
                 engine,
@@ -511,6 +541,8 @@ def fetch_parts(
                 None if view is None else view.nbytes,
                 stop - start,
             )
+        if verify and expected is not None and checksum(view) != expected:
+            raise corrupted(engine, record, keys[k], items[i][0].fqn)
         on_part(i, start, view)
 
     engine.get_many(keys, consume)

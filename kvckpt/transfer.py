@@ -34,7 +34,7 @@ from tqdm import tqdm
 from .catalog import mark_pending, publish
 from .engines.base import Engine
 from .errors import DataError, KVCheckpointError, MetadataError
-from .format import CheckpointRecord, ItemLocation, part_ranges
+from .format import CheckpointRecord, ItemLocation, checksum, part_ranges
 from .storage import KVStorageReader, _new_save_id, fetch_parts, tensor_bytes
 from .urls import open_store, validate_name
 
@@ -124,11 +124,29 @@ class VerifyReport:
         return not self.problems
 
 
+def located(
+    rank: int,
+    n: int,
+    view: memoryview,
+    part_bytes: int,
+    *,
+    sums: bool,
+) -> ItemLocation:
+    """The location of an item about to be written, with its parts' checksums if wanted."""
+    ranges = part_ranges(view.nbytes, part_bytes)
+    checksums = tuple(checksum(view[a:b]) for a, b in ranges) if sums else None
+    return ItemLocation(rank, n, view.nbytes, part_bytes, checksums)
+
+
 def verify(store: str | Engine, checkpoint_id: str, *, progress: bool = False) -> VerifyReport:
-    """Check that every data key of a checkpoint exists and has the size its metadata says."""
+    """Check that every data key of a checkpoint exists and has the size its metadata says,
+    and, where the save recorded checksums, that every value matches its checksum."""
     engine = open_store(store)
     report = VerifyReport(checkpoint_id)
     for record in _records(engine, checkpoint_id):
+        if any(loc.checksums for loc in record.locations.values()):
+            _verify_checksums(engine, record, report, progress)
+            continue
         expected: list[tuple[str, str, int]] = []
         for index, loc in record.locations.items():
             for key, (a, b) in zip(
@@ -152,6 +170,56 @@ def verify(store: str | Engine, checkpoint_id: str, *, progress: bool = False) -
         report.keys += len(expected)
         report.total_bytes += record.total_bytes
     return report
+
+
+def _verify_checksums(
+    engine: Engine, record: CheckpointRecord, report: VerifyReport, progress: bool
+) -> None:
+    """Read every value once and compare it with its size and checksum."""
+    items = list(record.locations.items())
+    with _progress(record.total_bytes, "verify", progress) as bar:
+        start = 0
+        while start < len(items):
+            stop, size = start, 0
+            while stop < len(items) and (stop == start or size < _BATCH_BYTES):
+                size += items[stop][1].nbytes
+                stop += 1
+            batch = items[start:stop]
+            keys: list[str] = []
+            slots: list[tuple[str, int, int | None]] = []
+            for index, loc in batch:
+                ranges = part_ranges(loc.nbytes, loc.part_bytes)
+                for p, (key, (a, b)) in enumerate(
+                    zip(
+                        loc.keys(engine.prefix, record.checkpoint_id, record.save_id),
+                        ranges,
+                        strict=True,
+                    )
+                ):
+                    keys.append(key)
+                    slots.append((index.fqn, b - a, loc.checksums[p] if loc.checksums else None))
+
+            def consume(
+                k: int,
+                view: memoryview | None,
+                keys: list[str] = keys,
+                slots: list[tuple[str, int, int | None]] = slots,
+            ) -> None:
+                fqn, want, expected = slots[k]
+                if view is None:
+                    report.problems.append(f"missing: {keys[k]} ({fqn})")
+                elif view.nbytes != want:
+                    report.problems.append(
+                        f"wrong size: {keys[k]} ({fqn}) holds {view.nbytes} bytes, expected {want}"
+                    )
+                elif expected is not None and checksum(view) != expected:
+                    report.problems.append(f"checksum mismatch: {keys[k]} ({fqn})")
+
+            engine.get_many(keys, consume)
+            report.keys += len(keys)
+            bar.update(size)
+            start = stop
+    report.total_bytes += record.total_bytes
 
 
 # -- copy -----------------------------------------------------------------------------------
@@ -193,7 +261,13 @@ def _copy_record(
     def values() -> Iterator[tuple[str, memoryview]]:
         with _progress(record.total_bytes, f"copy {target}", progress) as bar:
             for index, loc, view in read_items(src, record):
-                new = dataclasses.replace(loc, part_bytes=part_bytes)
+                new = located(
+                    loc.rank,
+                    loc.n,
+                    view,
+                    part_bytes,
+                    sums=loc.checksums is not None or dst.checksums_by_default,
+                )
                 locations[index] = new
                 for key, (a, b) in zip(
                     new.keys(dst.prefix, target, save_id),
@@ -353,7 +427,7 @@ def import_checkpoint(
             with _progress(total, f"import {checkpoint_id}", progress) as bar:
                 for n, (index, info) in enumerate(items):
                     view = _read_dcp_item(src, md, index, info, handles)
-                    loc = ItemLocation(0, n, view.nbytes, part_bytes)
+                    loc = located(0, n, view, part_bytes, sums=engine.checksums_by_default)
                     locations[index] = loc
                     for key, (a, b) in zip(
                         loc.keys(engine.prefix, checkpoint_id, save_id),

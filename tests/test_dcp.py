@@ -287,7 +287,9 @@ def test_torch_save_payload_in_object_values_is_refused(store_url: str) -> None:
     locations = dict(record.locations)
     for idx, loc in locations.items():
         if idx.offset is None:
-            locations[idx] = dataclasses.replace(loc, nbytes=len(payload), part_bytes=1 << 30)
+            locations[idx] = dataclasses.replace(
+                loc, nbytes=len(payload), part_bytes=1 << 30, checksums=None
+            )
             (key,) = locations[idx].keys(engine.prefix, "step-1", record.save_id)
             engine.put_many([(key, payload)])
     raw = encode_metadata(
@@ -331,3 +333,41 @@ def test_tensor_larger_than_redis_value_limit(redis_server) -> None:
     load(out, url)
     assert torch.equal(out["big"], big)
     client.flushall()
+
+
+def flip_one_byte(url: str, cid: str, fqn: str) -> str:
+    engine = open_store(url)
+    record = KVStorageReader(engine, checkpoint_id=cid).read_record()
+    loc = next(loc for idx, loc in record.locations.items() if idx.fqn == fqn)
+    key = loc.keys(engine.prefix, cid, record.save_id)[0]
+    value = bytearray(engine.get(key))
+    value[len(value) // 2] ^= 0x01
+    engine.put_many([(key, value)])
+    return key
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_checksum_mismatch_names_checkpoint_fqn_and_key(redis_url: str, direct: bool) -> None:
+    """Redis records and verifies checksums by default; a flipped bit never loads silently."""
+    sd = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+    save(sd, redis_url)
+    key = flip_one_byte(redis_url, "step-1", "w")
+    # direct: the value lands in the destination tensor; staged: a resharded (partial) read.
+    target = {"w": torch.zeros(64, 64)} if direct else {"w": torch.zeros(64, 64).t()}
+    with pytest.raises(BaseException) as info:
+        load(target, redis_url)
+    text = str(info.value)
+    assert "IntegrityError" in text and "'step-1'" in text and "'w'" in text and key in text
+    # Opting out of verification loads the damaged value (the user asked for it).
+    load({"w": torch.zeros(64, 64)}, redis_url, verify=False)
+
+
+def test_lmdb_checksums_are_opt_in(lmdb_url: str) -> None:
+    sd = {"w": torch.randn(32, 32)}
+    save(sd, lmdb_url)
+    record = KVStorageReader(lmdb_url, checkpoint_id="step-1").read_record()
+    assert all(loc.checksums is None for loc in record.locations.values())
+    save(sd, lmdb_url, cid="summed", checksums=True)
+    flip_one_byte(lmdb_url, "summed", "w")
+    with pytest.raises(BaseException, match="does not match the checksum"):
+        load({"w": torch.zeros(32, 32)}, lmdb_url, cid="summed", verify=True)

@@ -157,3 +157,13 @@ def test_torch_save_consolidates(store_url: str, tmp_path) -> None:
     for k, v in _dist.expected().items():
         assert torch.equal(full[k], v), k
     assert full["obj"] == {"step": 5, "name": "adamw"}
+
+
+def test_verify_checks_checksums(redis_url: str) -> None:
+    from tests.test_dcp import flip_one_byte
+
+    dcp.save({"w": torch.randn(100)}, storage_writer=KVStorageWriter(redis_url), checkpoint_id="c")
+    assert verify(redis_url, "c").ok
+    flip_one_byte(redis_url, "c", "w")
+    report = verify(redis_url, "c")
+    assert not report.ok and report.problems[0].startswith("checksum mismatch")

@@ -42,11 +42,14 @@ class Engine(ABC):
       this size by the format layer, so every engine gets values it can store.
     - ``shared``: whether other nodes see the same data (Redis) or only this node (LMDB).
     - ``supports_ttl``: whether ``expire_at`` works (keys that expire by themselves).
+    - ``checksums_by_default``: whether saves record, and loads verify, a checksum per value
+      unless the user says otherwise (on where it costs little next to the transfer).
     """
 
     max_value_bytes: int = 1 << 30
     shared: bool = False
     supports_ttl: bool = False
+    checksums_by_default: bool = False
 
     @property
     @abstractmethod

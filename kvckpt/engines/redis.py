@@ -69,6 +69,8 @@ class RedisEngine(Engine):
 
     shared = True
     supports_ttl = True
+    # xxh3 costs ~7% of a load at loopback speed (benchmarks/run.py); on a network, less.
+    checksums_by_default = True
 
     def __init__(
         self,
