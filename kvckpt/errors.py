@@ -45,3 +45,11 @@ class UnsafeObjectError(KVCheckpointError):
 
 class IntegrityError(DataError):
     """A value's checksum does not match the one recorded when it was saved."""
+
+
+class StoreFullError(KVCheckpointError):
+    """The store has no room for the checkpoint (Redis maxmemory, a full filesystem)."""
+
+
+class UnsafeStoreError(KVCheckpointError):
+    """The store is configured in a way that can silently lose checkpoint data."""

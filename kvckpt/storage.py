@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
     SavePlanner,
+    WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
@@ -45,6 +46,7 @@ from .errors import (
     InvalidCheckpointIdError,
     KVCheckpointError,
     MetadataError,
+    StoreUnavailableError,
     UnsafeObjectError,
 )
 from .format import (
@@ -82,6 +84,7 @@ class _PlanData:
 
     save_id: str
     rank: int
+    session: str | None = None  # the store's session id when the save started
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -100,6 +103,12 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         return memoryview(b"")
     # numpy keeps the tensor alive for as long as the memoryview exists.
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _planned_bytes(item: WriteItem) -> int:
+    if item.type == WriteItemType.BYTE_IO:
+        return item.bytes_io_data.nbytes if item.bytes_io_data is not None else 0
+    return item.tensor_storage_size() or 0
 
 
 class _KVStorageBase:
@@ -222,17 +231,21 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                 )
         if not self.use_collectives:
             mark_pending(self.engine, checkpoint_id, self.save_id, self.rank or 0)
-            plan = dataclasses.replace(plan, storage_data=_PlanData(self.save_id, self.rank or 0))
+            plan = dataclasses.replace(
+                plan, storage_data=_PlanData(self.save_id, self.rank or 0, self._session_id())
+            )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        session = None
         if self.use_collectives:
             # Registered before any rank writes data, so gc never mistakes it for garbage.
             mark_pending(self.engine, self._require_id(), self.save_id, None)
+            session = self._session_id()
         return [
             plan
             if isinstance(plan.storage_data, _PlanData)
-            else dataclasses.replace(plan, storage_data=_PlanData(self.save_id, rank))
+            else dataclasses.replace(plan, storage_data=_PlanData(self.save_id, rank, session))
             for rank, plan in enumerate(plans)
         ]
 
@@ -263,15 +276,34 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                 for (start, stop), key in zip(ranges, keys, strict=True):
                     yield key, view[start:stop]
 
+        self._session = where.session
+        preflight = getattr(self.engine, "preflight", None)
+        if preflight is not None:
+            preflight(sum(_planned_bytes(item) for item in plan.items))
         try:
             with gc_paused():
                 self.engine.put_many(values())
         except BaseException:
             self._discard_partial(checkpoint_id, where)
             raise
+        self._check_session(checkpoint_id)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _session_id(self) -> str | None:
+        get = getattr(self.engine, "session_id", None)
+        return None if get is None else get()
+
+    def _check_session(self, checkpoint_id: str) -> None:
+        """Fail the save if the store lost its memory (restarted) since the save began: data
+        written before the restart is gone and must never be committed."""
+        if getattr(self, "_session", None) is not None and self._session_id() != self._session:
+            raise StoreUnavailableError(
+                f"{self.engine.url} restarted while checkpoint {checkpoint_id!r} was being "
+                "saved: what was written before the restart is gone, so the checkpoint was not "
+                "committed. Save it again."
+            )
 
     def _discard_partial(self, checkpoint_id: str, where: _PlanData) -> None:
         """Best effort: drop what this rank wrote of a save that failed (gc catches the rest)."""
@@ -297,6 +329,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         else:
             world_size = max(len(results), 1)
         metadata.storage_meta = self.storage_meta()
+        self._check_session(checkpoint_id)
         publish(
             self.engine,
             metadata,

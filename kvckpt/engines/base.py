@@ -112,6 +112,14 @@ class Engine(ABC):
         """Make keys expire at Unix time ``when`` (engines with ``supports_ttl``)."""
         raise NotImplementedError(f"{type(self).__name__} does not expire keys")
 
+    def session_id(self) -> str | None:
+        """An id that changes when the store loses its memory (a Redis restart); None when the
+        store is durable. A save fails rather than commit across a change."""
+        return None
+
+    def preflight(self, nbytes: int) -> None:  # noqa: B027 - optional hook
+        """Before a save writes ``nbytes``: raise if the store cannot take them safely."""
+
     def value_sizes(self, keys: Sequence[str]) -> list[int | None]:
         """Each value's size in bytes (None if missing), without transferring values where the
         engine can."""

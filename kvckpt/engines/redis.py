@@ -17,13 +17,22 @@ from __future__ import annotations
 import functools
 import re
 import socket
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import redis
 
-from ..errors import InvalidURLError, StoreUnavailableError
-from ..urls import DEFAULT_PREFIX, mask_url, parse_size, split_options, take_option, validate_prefix
+from ..errors import InvalidURLError, StoreFullError, StoreUnavailableError, UnsafeStoreError
+from ..urls import (
+    DEFAULT_PREFIX,
+    mask_url,
+    parse_bool,
+    parse_size,
+    split_options,
+    take_option,
+    validate_prefix,
+)
 from .base import BytesLike, Consumer, Engine, Update
 
 _MIB = 1 << 20
@@ -80,6 +89,7 @@ class RedisEngine(Engine):
         part_bytes: int = 4 * _MIB,
         pipeline_bytes: int = 256 * _MIB,
         redis_url: str | None = None,
+        allow_eviction: bool = False,
     ) -> None:
         if not 1 <= part_bytes <= REDIS_MAX_VALUE:
             raise InvalidURLError(
@@ -91,6 +101,7 @@ class RedisEngine(Engine):
         self._prefix = validate_prefix(prefix)
         self.max_value_bytes = part_bytes
         self.pipeline_bytes = pipeline_bytes
+        self.allow_eviction = allow_eviction
         self._client_obj: redis.Redis | None = None
         parts = split_options(self._redis_url)[0]
         if parts.scheme == "unix":
@@ -115,6 +126,7 @@ class RedisEngine(Engine):
             prefix=take_option(opts, "prefix", url, validate_prefix, DEFAULT_PREFIX),
             part_bytes=take_option(opts, "part_bytes", url, parse_size, 4 * _MIB),
             pipeline_bytes=take_option(opts, "pipeline_bytes", url, parse_size, 256 * _MIB),
+            allow_eviction=take_option(opts, "allow_eviction", url, parse_bool, False),
         )
         opts.setdefault("socket_connect_timeout", "10")
         opts.setdefault("socket_timeout", "300")
@@ -139,6 +151,7 @@ class RedisEngine(Engine):
                 self._prefix,
                 self.max_value_bytes,
                 self.pipeline_bytes,
+                self.allow_eviction,
             ),
         )
 
@@ -177,18 +190,29 @@ class RedisEngine(Engine):
         def work(conn: Any) -> None:
             pieces: list[BytesLike] = []
             small = bytearray()
-            pending = 0
+            sent: list[tuple[str, int]] = []
             batch_bytes = 0
 
-            def flush() -> None:
-                nonlocal small, pending, batch_bytes, pieces
-                if small:
-                    pieces.append(small)
+            def send_batch() -> None:
                 if pieces:
                     conn.send_packed_command(pieces, check_health=False)
-                for _ in range(pending):
-                    conn.read_response()
-                pieces, small, pending, batch_bytes = [], bytearray(), 0, 0
+                for key, size in sent:
+                    try:
+                        conn.read_response()
+                    except redis.ResponseError as e:
+                        if isinstance(e, redis.exceptions.OutOfMemoryError) or str(e).startswith(
+                            "OOM"
+                        ):
+                            raise self._out_of_memory(e, key, size) from None
+                        raise
+
+            def flush() -> None:
+                nonlocal small, sent, batch_bytes, pieces
+                if small:
+                    pieces.append(small)
+                # SET is idempotent: a batch cut by a dropped connection is sent again.
+                _retry(conn, send_batch)
+                pieces, small, sent, batch_bytes = [], bytearray(), [], 0
 
             for key, value in items:
                 view = memoryview(value)
@@ -201,9 +225,9 @@ class RedisEngine(Engine):
                     pieces.append(view)  # sent straight from the caller's memory
                     small = bytearray()
                 small += b"\r\n"
-                pending += 1
+                sent.append((key, view.nbytes))
                 batch_bytes += view.nbytes
-                if batch_bytes >= self.pipeline_bytes or pending >= _MAX_PIPELINE_KEYS:
+                if batch_bytes >= self.pipeline_bytes or len(sent) >= _MAX_PIPELINE_KEYS:
                     flush()
             flush()
 
@@ -228,9 +252,6 @@ class RedisEngine(Engine):
     @_translate_errors
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         def work(conn: Any) -> list[int | None]:
-            if conn._sock is None:
-                conn.connect()
-            reader = _BulkReader(conn._sock)
             sizes: list[int | None] = []
             for start in range(0, len(keys), _MAX_PIPELINE_KEYS):
                 batch = keys[start : start + _MAX_PIPELINE_KEYS]
@@ -238,11 +259,18 @@ class RedisEngine(Engine):
                 for key in batch:
                     k = key.encode()
                     packed += b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)
-                conn.send_packed_command([packed], check_health=False)
-                for i in range(len(batch)):
-                    sizes.append(reader.read_bulk_into(buffers[start + i]))
-            if reader.buffered():
-                raise redis.ConnectionError("unexpected bytes after the replies")
+
+                def read_batch(
+                    start: int = start, batch: Sequence[str] = batch, packed: bytearray = packed
+                ) -> list[int | None]:
+                    conn.send_packed_command([packed], check_health=False)
+                    reader = _BulkReader(conn._sock)
+                    got = [reader.read_bulk_into(buffers[start + i]) for i in range(len(batch))]
+                    if reader.buffered():
+                        raise redis.ConnectionError("unexpected bytes after the replies")
+                    return got
+
+                sizes += _retry(conn, read_batch)
             return sizes
 
         return self._with_connection(work)
@@ -308,9 +336,68 @@ class RedisEngine(Engine):
         return sizes
 
     @_translate_errors
+    def session_id(self) -> str | None:
+        return str(self._client.info("server").get("run_id"))
+
+    @_translate_errors
+    def preflight(self, nbytes: int) -> None:
+        """Refuse to write into a server that may evict keys, or that has no room."""
+        mem = self._client.info("memory")
+        policy = mem.get("maxmemory_policy", "noeviction")
+        if policy != "noeviction" and not self.allow_eviction:
+            raise UnsafeStoreError(
+                f"Redis at {self.address} has maxmemory-policy {policy!r}: it may evict "
+                "checkpoint keys silently when memory runs short, leaving damaged checkpoints. "
+                "Run `CONFIG SET maxmemory-policy noeviction` on the server (and in its config), "
+                "or add ?allow_eviction=1 to the URL to accept the risk."
+            )
+        limit, used = int(mem.get("maxmemory", 0)), int(mem.get("used_memory", 0))
+        if limit and used + nbytes > limit:
+            raise StoreFullError(
+                f"Redis at {self.address} has no room for this save: it needs {nbytes} bytes, "
+                f"and {max(0, limit - used)} of maxmemory {limit} are free. Delete old "
+                "checkpoints (kvckpt gc URL --keep-last N) or raise maxmemory."
+            )
+
+    def _out_of_memory(self, error: redis.ResponseError, key: str, size: int) -> StoreFullError:
+        try:
+            mem = self._client.info("memory")
+            state = (
+                f"used_memory {mem.get('used_memory')} of maxmemory {mem.get('maxmemory')} bytes"
+            )
+        except redis.RedisError:
+            state = "memory state unknown"
+        return StoreFullError(
+            f"Redis at {self.address} ran out of memory while storing {key!r} ({size} bytes; "
+            f"{state}): {error}. The partial save is removed; older checkpoints are intact. "
+            "Delete old checkpoints (kvckpt gc) or raise maxmemory."
+        )
+
+    @_translate_errors
     def info(self, section: str | None = None) -> dict[str, Any]:
         """The server's INFO (memory, policy) for preflight checks and diagnostics."""
         return self._client.info(section) if section else self._client.info()
+
+
+#: Transient connection errors (a dropped connection, a server restarting) are retried this
+#: many times, with exponential backoff; anything else fails at once.
+_RETRIES = 3
+_BACKOFF_S = 0.2
+
+
+def _retry(conn: Any, attempt: Callable[[], T]) -> T:
+    """Run an idempotent pipelined exchange, reconnecting and retrying on connection errors."""
+    for n in range(_RETRIES + 1):
+        try:
+            if conn._sock is None:
+                conn.connect()
+            return attempt()
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            if n == _RETRIES:
+                raise
+            conn.disconnect()
+            time.sleep(_BACKOFF_S * 2**n)
+    raise AssertionError("unreachable")
 
 
 class _BulkReader:
@@ -397,7 +484,12 @@ class _BulkReader:
 
 
 def _rebuild(
-    raw_url: str, redis_url: str, prefix: str, part_bytes: int, pipeline_bytes: int
+    raw_url: str,
+    redis_url: str,
+    prefix: str,
+    part_bytes: int,
+    pipeline_bytes: int,
+    allow_eviction: bool,
 ) -> RedisEngine:
     return RedisEngine(
         raw_url,
@@ -405,4 +497,5 @@ def _rebuild(
         prefix=prefix,
         part_bytes=part_bytes,
         pipeline_bytes=pipeline_bytes,
+        allow_eviction=allow_eviction,
     )
