@@ -2,14 +2,18 @@
 
 from .engines.base import Engine
 from .errors import (
+    CheckpointLockedError,
     CheckpointNotFoundError,
     DataError,
+    IntegrityError,
     InvalidCheckpointIdError,
     InvalidURLError,
     KVCheckpointError,
     MetadataError,
+    StoreFullError,
     StoreUnavailableError,
     UnsafeObjectError,
+    UnsafeStoreError,
     UnsupportedFormatVersionError,
 )
 from .manage import (
@@ -25,18 +29,22 @@ from .urls import open_store
 
 __all__ = [
     "CheckpointInfo",
+    "CheckpointLockedError",
     "CheckpointNotFoundError",
     "DataError",
     "Engine",
     "GcReport",
+    "IntegrityError",
     "InvalidCheckpointIdError",
     "InvalidURLError",
     "KVCheckpointError",
     "KVStorageReader",
     "KVStorageWriter",
     "MetadataError",
+    "StoreFullError",
     "StoreUnavailableError",
     "UnsafeObjectError",
+    "UnsafeStoreError",
     "UnsupportedFormatVersionError",
     "delete_checkpoint",
     "gc",

@@ -9,6 +9,8 @@ a save that crashed before its commit is still known (as *pending*) to ``gc``.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ import msgpack
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from .engines.base import Engine
-from .errors import MetadataError
+from .errors import CheckpointLockedError, MetadataError
 from .format import (
     CheckpointRecord,
     ItemLocation,
@@ -135,18 +137,98 @@ def update_index(
     engine.transact([key, *watch], update)
 
 
-def mark_pending(engine: Engine, checkpoint_id: str, save_id: str, rank: int | None) -> None:
-    """Record that a save has started, before any of its data is written."""
+def lease_key(prefix: str, checkpoint_id: str, rank: int | None = None) -> str:
+    key = f"{{{prefix}}}/lease/{checkpoint_id}"
+    return key if rank is None else f"{key}/rank/{rank}"
+
+
+def _decode_lease(raw: bytes | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        lease = msgpack.unpackb(raw, raw=False)
+    except Exception:
+        return None  # an unreadable lease protects nothing
+    return lease if isinstance(lease, dict) else None
+
+
+def mark_pending(
+    engine: Engine,
+    checkpoint_id: str,
+    save_id: str,
+    rank: int | None,
+    lease_seconds: float | None = None,
+) -> None:
+    """Record that a save has started, before any of its data is written, and take the
+    checkpoint id's write lease: a second writer of the same id fails fast instead of
+    interleaving its data. The lease expires, so a writer that crashed blocks nobody for long.
+    """
+    now = time.time()
+    key = lease_key(engine.prefix, checkpoint_id, rank)
 
     def change(index: Index) -> None:
         index.pending[pending_name(checkpoint_id, save_id, rank)] = {
             "checkpoint_id": checkpoint_id,
             "save_id": save_id,
             "rank": rank,
-            "started_at": time.time(),
+            "started_at": now,
         }
 
-    update_index(engine, change)
+    def extra(current: list[bytes | None]) -> dict[str, bytes | None]:
+        held = _decode_lease(current[0])
+        if (
+            held is not None
+            and held.get("save_id") != save_id
+            and isinstance(held.get("expires_at"), int | float)
+            and held["expires_at"] > now
+        ):
+            raise CheckpointLockedError(
+                f"checkpoint {checkpoint_id!r} in {engine.url} is being saved by another "
+                f"writer (save {held.get('save_id')} on {held.get('host')}, pid "
+                f"{held.get('pid')}); its lease expires in {held['expires_at'] - now:.0f} s. "
+                "Use another checkpoint id, or wait for that save to finish."
+            )
+        if lease_seconds is None:
+            return {}
+        return {key: _lease_value(save_id, now + lease_seconds)}
+
+    update_index(engine, change, watch=(key,), extra=extra)
+
+
+def _lease_value(save_id: str, expires_at: float) -> bytes:
+    return msgpack.packb(
+        {
+            "save_id": save_id,
+            "expires_at": expires_at,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+    )
+
+
+def renew_lease(
+    engine: Engine, checkpoint_id: str, save_id: str, rank: int | None, lease_seconds: float
+) -> None:
+    """Extend a lease this save holds (a long save keeps it alive while writing)."""
+    key = lease_key(engine.prefix, checkpoint_id, rank)
+
+    def update(current: list[bytes | None]) -> dict[str, bytes | None]:
+        held = _decode_lease(current[0])
+        if held is not None and held.get("save_id") == save_id:
+            return {key: _lease_value(save_id, time.time() + lease_seconds)}
+        return {}
+
+    engine.transact([key], update)
+
+
+def release_lease(engine: Engine, checkpoint_id: str, save_id: str, rank: int | None) -> None:
+    key = lease_key(engine.prefix, checkpoint_id, rank)
+
+    def update(current: list[bytes | None]) -> dict[str, bytes | None]:
+        held = _decode_lease(current[0])
+        return {key: None} if held is not None and held.get("save_id") == save_id else {}
+
+    engine.transact([key], update)
 
 
 def commit(engine: Engine, raw: bytes, entry: dict[str, Any]) -> bytes | None:
@@ -155,6 +237,7 @@ def commit(engine: Engine, raw: bytes, entry: dict[str, Any]) -> bytes | None:
     """
     cid, rank = entry["checkpoint_id"], entry["rank"]
     key = meta_key(engine.prefix, cid, rank)
+    lease = lease_key(engine.prefix, cid, rank)
     replaced: list[bytes | None] = [None]
 
     def change(index: Index) -> None:
@@ -163,9 +246,13 @@ def commit(engine: Engine, raw: bytes, entry: dict[str, Any]) -> bytes | None:
 
     def extra(current: list[bytes | None]) -> dict[str, bytes | None]:
         replaced[0] = current[0]
-        return {key: raw}
+        held = _decode_lease(current[1])
+        writes: dict[str, bytes | None] = {key: raw}
+        if held is not None and held.get("save_id") == entry["save_id"]:
+            writes[lease] = None  # the commit releases this save's lease
+        return writes
 
-    update_index(engine, change, watch=(key,), extra=extra)
+    update_index(engine, change, watch=(key, lease), extra=extra)
     return replaced[0]
 
 

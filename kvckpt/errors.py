@@ -53,3 +53,7 @@ class StoreFullError(KVCheckpointError):
 
 class UnsafeStoreError(KVCheckpointError):
     """The store is configured in a way that can silently lose checkpoint data."""
+
+
+class CheckpointLockedError(KVCheckpointError):
+    """Another writer holds the write lease of this checkpoint id."""

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .catalog import Index, read_index, rebuild_index, update_index
+from .catalog import Index, read_index, rebuild_index, release_lease, update_index
 from .engines.base import Engine
 from .errors import CheckpointNotFoundError, MetadataError
 from .format import data_prefix, decode_metadata, meta_key
@@ -264,6 +264,8 @@ def gc(
         if isinstance(cid, str) and isinstance(save_id, str):
             head = data_prefix(engine.prefix, cid, save_id)
             report.deleted_keys += engine.delete_prefix(head if rank is None else f"{head}{rank}/")
+            # A crashed writer's lease goes with its save, so the id can be saved again now.
+            release_lease(engine, cid, save_id, rank if isinstance(rank, int) else None)
         report.removed_incomplete.append(name)
     if stale or expired:
 

@@ -8,11 +8,13 @@ tensor (narrowing it when the load reshards).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import io
 import logging
 import os
+import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -37,7 +39,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .catalog import mark_pending, publish
+from .catalog import mark_pending, publish, release_lease, renew_lease
 from .engines.base import Engine
 from .errors import (
     CheckpointNotFoundError,
@@ -155,6 +157,9 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         checksums: record an xxh3 checksum of every value, which loads and ``kvckpt verify``
             check. Default: the engine's choice (on for Redis, off for LMDB, where hashing
             would cost more than half the load time; see docs/RELIABILITY.md).
+        lease: seconds a save holds the checkpoint id's write lease without renewing it (it is
+            renewed while data is written). A second writer of the same id fails fast while the
+            lease is held; a crashed writer's lease lapses after this long.
         cache_staged_state_dict: reuse one staging copy across ``dcp.async_save`` calls (as
             DCP's ``FileSystemWriter``).
     """
@@ -168,6 +173,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         keep_last: int | None = None,
         ttl: float | datetime.timedelta | None = None,
         checksums: bool | None = None,
+        lease: float = 60.0,
         cache_staged_state_dict: bool = False,
     ) -> None:
         super().__init__()
@@ -192,6 +198,9 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                     "cannot. Use keep_last= or kvckpt gc to bound what is kept instead."
                 )
         self.ttl = ttl
+        if lease <= 0:
+            raise ValueError(f"lease must be positive seconds, not {lease}")
+        self.lease = lease
         self.checksums = (
             bool(getattr(self.engine, "checksums_by_default", False))
             if checksums is None
@@ -230,7 +239,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                     "overwrite=True"
                 )
         if not self.use_collectives:
-            mark_pending(self.engine, checkpoint_id, self.save_id, self.rank or 0)
+            mark_pending(self.engine, checkpoint_id, self.save_id, self.rank or 0, self.lease)
             plan = dataclasses.replace(
                 plan, storage_data=_PlanData(self.save_id, self.rank or 0, self._session_id())
             )
@@ -240,7 +249,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         session = None
         if self.use_collectives:
             # Registered before any rank writes data, so gc never mistakes it for garbage.
-            mark_pending(self.engine, self._require_id(), self.save_id, None)
+            mark_pending(self.engine, self._require_id(), self.save_id, None, self.lease)
             session = self._session_id()
         return [
             plan
@@ -256,11 +265,17 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         part_bytes = int(self.engine.max_value_bytes)
         prefix = self.engine.prefix
         results: list[WriteResult] = []
+        lease_rank = None if self.use_collectives else where.rank
+        renewed = time.monotonic()
 
         def values() -> Iterator[tuple[str, memoryview]]:
             # Lazy: each item is resolved (and, for GPU tensors, copied to the CPU) only when
             # the engine is ready to send it, so at most one batch is held at a time.
+            nonlocal renewed
             for n, item in enumerate(plan.items):
+                if time.monotonic() - renewed > self.lease / 3:
+                    renew_lease(self.engine, checkpoint_id, where.save_id, lease_rank, self.lease)
+                    renewed = time.monotonic()
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     view = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
@@ -278,13 +293,15 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
 
         self._session = where.session
         preflight = getattr(self.engine, "preflight", None)
-        if preflight is not None:
-            preflight(sum(_planned_bytes(item) for item in plan.items))
         try:
+            if preflight is not None:
+                preflight(sum(_planned_bytes(item) for item in plan.items))
             with gc_paused():
                 self.engine.put_many(values())
         except BaseException:
             self._discard_partial(checkpoint_id, where)
+            with contextlib.suppress(Exception):
+                release_lease(self.engine, checkpoint_id, where.save_id, lease_rank)
             raise
         self._check_session(checkpoint_id)
         fut: Future[list[WriteResult]] = Future()
