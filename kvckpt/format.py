@@ -113,6 +113,14 @@ class ItemLocation:
     #: xxh3_64 of each part's bytes, or None if the save recorded no checksums.
     checksums: tuple[int, ...] | None = None
 
+    def split(
+        self, view: memoryview, prefix: str, checkpoint_id: str, save_id: str
+    ) -> Iterator[tuple[str, memoryview]]:
+        """(key, bytes) of each part of this item's value ``view``, ready to write."""
+        keys = self.keys(prefix, checkpoint_id, save_id)
+        for key, (start, stop) in zip(keys, part_ranges(self.nbytes, self.part_bytes), strict=True):
+            yield key, view[start:stop]
+
     def keys(self, prefix: str, checkpoint_id: str, save_id: str) -> list[str]:
         base = f"{prefix}/data/{checkpoint_id}/{save_id}/{self.rank}/{self.n}/"
         if self.nbytes <= self.part_bytes:

@@ -18,6 +18,8 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future as Future_
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -287,9 +289,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                 results.append(
                     WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=loc)
                 )
-                keys = loc.keys(prefix, checkpoint_id, where.save_id)
-                for (start, stop), key in zip(ranges, keys, strict=True):
-                    yield key, view[start:stop]
+                yield from loc.split(view, prefix, checkpoint_id, where.save_id)
 
         self._session = where.session
         preflight = getattr(self.engine, "preflight", None)
@@ -510,14 +510,24 @@ class KVStorageReader(_KVStorageBase, StorageReader):
                     keys.append(key)
                     buffers.append(item.dest[start:stop])
                     sums.append(item.loc.checksums[p] if item.loc.checksums else None)
-            sizes = self.engine.get_into(keys, buffers)
-            for key, buffer, size, expected in zip(keys, buffers, sizes, sums, strict=True):
-                if size != buffer.nbytes:
-                    raise damaged(
-                        self.engine, record, key, key_fqn(direct, key), size, buffer.nbytes
-                    )
-                if self.verify and expected is not None and checksum(buffer) != expected:
-                    raise corrupted(self.engine, record, key, key_fqn(direct, key))
+            verifying = self.verify and any(x is not None for x in sums)
+            with ThreadPoolExecutor(1) if verifying else contextlib.nullcontext() as pool:
+                # Hashing releases the GIL: each value is checked on another core while the
+                # next one is still arriving.
+                hashes: dict[int, Future_[int]] = {}
+
+                def on_value(i: int) -> None:
+                    if pool is not None and sums[i] is not None:
+                        hashes[i] = pool.submit(checksum, buffers[i])
+
+                sizes = self.engine.get_into(keys, buffers, on_value if verifying else None)
+                for i, (key, buffer, size) in enumerate(zip(keys, buffers, sizes, strict=True)):
+                    if size != buffer.nbytes:
+                        raise damaged(
+                            self.engine, record, key, key_fqn(direct, key), size, buffer.nbytes
+                        )
+                    if i in hashes and hashes[i].result() != sums[i]:
+                        raise corrupted(self.engine, record, key, key_fqn(direct, key))
             for item in direct:
                 item.commit()
         if staged:

@@ -269,12 +269,7 @@ def _copy_record(
                     sums=loc.checksums is not None or dst.checksums_by_default,
                 )
                 locations[index] = new
-                for key, (a, b) in zip(
-                    new.keys(dst.prefix, target, save_id),
-                    part_ranges(new.nbytes, part_bytes),
-                    strict=True,
-                ):
-                    yield key, view[a:b]
+                yield from new.split(view, dst.prefix, target, save_id)
                 bar.update(loc.nbytes)
 
     dst.put_many(values())
@@ -429,12 +424,7 @@ def import_checkpoint(
                     view = _read_dcp_item(src, md, index, info, handles)
                     loc = located(0, n, view, part_bytes, sums=engine.checksums_by_default)
                     locations[index] = loc
-                    for key, (a, b) in zip(
-                        loc.keys(engine.prefix, checkpoint_id, save_id),
-                        part_ranges(view.nbytes, part_bytes),
-                        strict=True,
-                    ):
-                        yield key, view[a:b]
+                    yield from loc.split(view, engine.prefix, checkpoint_id, save_id)
                     bar.update(int(info.length))
         finally:
             for handle in handles.values():

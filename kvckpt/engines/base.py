@@ -70,13 +70,19 @@ class Engine(ABC):
         """Fetch many values in as few round trips as the engine allows, handing each to
         ``consume`` (zero-copy where the engine can)."""
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+    def get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[memoryview],
+        on_value: Callable[[int], None] | None = None,
+    ) -> list[int | None]:
         """Read each value into the caller's writable buffer of the expected size.
 
         Returns each value's actual size (None if the key is missing); where it differs from
-        the buffer's length the buffer's content is undefined. Engines that can read from the
-        network straight into the buffer override this; the default copies once from
-        ``get_many``'s view.
+        the buffer's length the buffer's content is undefined. ``on_value(i)`` is called as
+        soon as value ``i`` is in its buffer (so callers can check it while the next arrives).
+        Engines that can read from the network straight into the buffer override this; the
+        default copies once from ``get_many``'s view.
         """
         sizes: list[int | None] = [None] * len(keys)
 
@@ -86,6 +92,8 @@ class Engine(ABC):
             sizes[i] = view.nbytes
             if view.nbytes == buffers[i].nbytes:
                 copy_bytes(buffers[i], view)
+                if on_value is not None:
+                    on_value(i)
 
         self.get_many(keys, consume)
         return sizes

@@ -238,11 +238,7 @@ class RedisEngine(Engine):
         def work(conn: Any) -> None:
             for start in range(0, len(keys), _MAX_PIPELINE_KEYS):
                 batch = keys[start : start + _MAX_PIPELINE_KEYS]
-                packed = bytearray()
-                for key in batch:
-                    k = key.encode()
-                    packed += b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)
-                conn.send_packed_command([packed], check_health=False)
+                conn.send_packed_command([_pack_gets(batch)], check_health=False)
                 for i in range(len(batch)):
                     value = conn.read_response(disable_decoding=True)
                     consume(start + i, None if value is None else memoryview(value))
@@ -250,22 +246,29 @@ class RedisEngine(Engine):
         self._with_connection(work)
 
     @_translate_errors
-    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+    def get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[memoryview],
+        on_value: Callable[[int], None] | None = None,
+    ) -> list[int | None]:
         def work(conn: Any) -> list[int | None]:
             sizes: list[int | None] = []
             for start in range(0, len(keys), _MAX_PIPELINE_KEYS):
                 batch = keys[start : start + _MAX_PIPELINE_KEYS]
-                packed = bytearray()
-                for key in batch:
-                    k = key.encode()
-                    packed += b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)
+                packed = _pack_gets(batch)
 
                 def read_batch(
                     start: int = start, batch: Sequence[str] = batch, packed: bytearray = packed
                 ) -> list[int | None]:
                     conn.send_packed_command([packed], check_health=False)
                     reader = _BulkReader(conn._sock)
-                    got = [reader.read_bulk_into(buffers[start + i]) for i in range(len(batch))]
+                    got = []
+                    for i in range(len(batch)):
+                        size = reader.read_bulk_into(buffers[start + i])
+                        got.append(size)
+                        if on_value is not None and size == buffers[start + i].nbytes:
+                            on_value(start + i)
                     if reader.buffered():
                         raise redis.ConnectionError("unexpected bytes after the replies")
                     return got
@@ -377,6 +380,15 @@ class RedisEngine(Engine):
     def info(self, section: str | None = None) -> dict[str, Any]:
         """The server's INFO (memory, policy) for preflight checks and diagnostics."""
         return self._client.info(section) if section else self._client.info()
+
+
+def _pack_gets(keys: Sequence[str]) -> bytearray:
+    """One buffer of pipelined GET commands."""
+    packed = bytearray()
+    for key in keys:
+        k = key.encode()
+        packed += b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)
+    return packed
 
 
 #: Transient connection errors (a dropped connection, a server restarting) are retried this
