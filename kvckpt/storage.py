@@ -283,9 +283,15 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                     view = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
                 else:
                     view = tensor_bytes(data)
-                ranges = part_ranges(view.nbytes, part_bytes)
-                sums = tuple(checksum(view[a:b]) for a, b in ranges) if self.checksums else None
-                loc = ItemLocation(where.rank, n, view.nbytes, part_bytes, sums)
+                loc = ItemLocation(where.rank, n, view.nbytes, part_bytes)
+                if hasher is not None:
+                    # Hashed on another core while the engine sends (xxhash releases the GIL).
+                    hashes.append(
+                        [
+                            hasher.submit(checksum, view[a:b])
+                            for a, b in part_ranges(view.nbytes, part_bytes)
+                        ]
+                    )
                 results.append(
                     WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=loc)
                 )
@@ -293,16 +299,31 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
 
         self._session = where.session
         preflight = getattr(self.engine, "preflight", None)
+        hashes: list[list[Future_[int]]] = []
+        hasher = ThreadPoolExecutor(1) if self.checksums else None
         try:
             if preflight is not None:
                 preflight(sum(_planned_bytes(item) for item in plan.items))
             with gc_paused():
                 self.engine.put_many(values())
+            if hasher is not None:
+                results[:] = [
+                    dataclasses.replace(
+                        wr,
+                        storage_data=dataclasses.replace(
+                            wr.storage_data, checksums=tuple(f.result() for f in futures)
+                        ),
+                    )
+                    for wr, futures in zip(results, hashes, strict=True)
+                ]
         except BaseException:
             self._discard_partial(checkpoint_id, where)
             with contextlib.suppress(Exception):
                 release_lease(self.engine, checkpoint_id, where.save_id, lease_rank)
             raise
+        finally:
+            if hasher is not None:
+                hasher.shutdown(wait=True)
         self._check_session(checkpoint_id)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
