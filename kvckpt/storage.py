@@ -70,6 +70,8 @@ from .urls import open_store, validate_name
 logger = logging.getLogger(__name__)
 
 _DEFAULT_BATCH_BYTES = 256 << 20
+#: Values at least this large are checksummed on a worker thread, smaller ones inline.
+_ASYNC_HASH_BYTES = 1 << 20
 
 
 def _new_save_id() -> str:
@@ -285,10 +287,13 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                     view = tensor_bytes(data)
                 loc = ItemLocation(where.rank, n, view.nbytes, part_bytes)
                 if hasher is not None:
-                    # Hashed on another core while the engine sends (xxhash releases the GIL).
+                    # Large parts are hashed on another core while the engine sends (xxhash
+                    # releases the GIL); small ones inline, where a hand-off costs more.
                     hashes.append(
                         [
                             hasher.submit(checksum, view[a:b])
+                            if b - a >= _ASYNC_HASH_BYTES
+                            else checksum(view[a:b])
                             for a, b in part_ranges(view.nbytes, part_bytes)
                         ]
                     )
@@ -299,7 +304,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
 
         self._session = where.session
         preflight = getattr(self.engine, "preflight", None)
-        hashes: list[list[Future_[int]]] = []
+        hashes: list[list[Future_[int] | int]] = []
         hasher = ThreadPoolExecutor(1) if self.checksums else None
         try:
             if preflight is not None:
@@ -311,7 +316,10 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                     dataclasses.replace(
                         wr,
                         storage_data=dataclasses.replace(
-                            wr.storage_data, checksums=tuple(f.result() for f in futures)
+                            wr.storage_data,
+                            checksums=tuple(
+                                f if isinstance(f, int) else f.result() for f in futures
+                            ),
                         ),
                     )
                     for wr, futures in zip(results, hashes, strict=True)
@@ -535,11 +543,14 @@ class KVStorageReader(_KVStorageBase, StorageReader):
             with ThreadPoolExecutor(1) if verifying else contextlib.nullcontext() as pool:
                 # Hashing releases the GIL: each value is checked on another core while the
                 # next one is still arriving.
-                hashes: dict[int, Future_[int]] = {}
+                hashes: dict[int, Future_[int] | int] = {}
 
                 def on_value(i: int) -> None:
                     if pool is not None and sums[i] is not None:
-                        hashes[i] = pool.submit(checksum, buffers[i])
+                        big = buffers[i].nbytes >= _ASYNC_HASH_BYTES
+                        hashes[i] = (
+                            pool.submit(checksum, buffers[i]) if big else checksum(buffers[i])
+                        )
 
                 sizes = self.engine.get_into(keys, buffers, on_value if verifying else None)
                 for i, (key, buffer, size) in enumerate(zip(keys, buffers, sizes, strict=True)):
@@ -547,7 +558,10 @@ class KVStorageReader(_KVStorageBase, StorageReader):
                         raise damaged(
                             self.engine, record, key, key_fqn(direct, key), size, buffer.nbytes
                         )
-                    if i in hashes and hashes[i].result() != sums[i]:
+                    got = hashes.get(i)
+                    if isinstance(got, Future_):
+                        got = got.result()
+                    if got is not None and got != sums[i]:
                         raise corrupted(self.engine, record, key, key_fqn(direct, key))
             for item in direct:
                 item.commit()
