@@ -74,3 +74,44 @@ def test_sigkill_mid_save(store_url: str) -> None:
     # The next save of that id works.
     dcp.save({"w": torch.ones(3)}, storage_writer=KVStorageWriter(url), checkpoint_id="victim")
     assert latest_checkpoint(url) == "victim"
+
+
+def test_sigkill_one_rank_of_a_two_rank_save(store_url: str) -> None:
+    """Rank 1 of 2 dies mid-save (the job then goes down, as torchrun takes it down)."""
+    from kvckpt.testing import free_port
+
+    url = store_url + ("?txn_bytes=8MiB" if store_url.startswith("lmdb") else "?part_bytes=4MiB")
+    good = {"w": torch.randn(1000), "step": 1}
+    dcp.save(good, storage_writer=KVStorageWriter(url), checkpoint_id="good")
+    engine = open_store(url)
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-m", "tests._rank_writer", str(r), "2", port,
+                               url, "victim"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+             for r in range(2)]
+    victim_data = data_prefix(engine.prefix, "victim")
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            assert all(p.poll() is None for p in ranks), "the job ended before the kill"
+            assert time.monotonic() < deadline, "rank 1 never started writing"
+            if any(key.split("/")[4] == "1" for key in engine.scan(victim_data)):
+                break
+            time.sleep(0.005)
+        os.kill(ranks[1].pid, signal.SIGKILL)
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    left = list(engine.scan(victim_data))
+    assert left
+    assert [i.checkpoint_id for i in list_checkpoints(url)] == ["good"]
+    assert latest_checkpoint(url) == "good"
+    out = {"w": torch.zeros(1000), "step": 0}
+    dcp.load(out, storage_reader=KVStorageReader(url), checkpoint_id="good")
+    assert torch.equal(out["w"], good["w"]) and out["step"] == 1
+    report = gc(url, incomplete_older_than=0)
+    assert report.deleted_keys == len(left)
+    assert list(engine.scan(victim_data)) == []
+    dcp.save({"w": torch.ones(3)}, storage_writer=KVStorageWriter(url), checkpoint_id="victim")
+    assert latest_checkpoint(url) == "victim"
