@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import msgpack
@@ -144,12 +145,43 @@ class CheckpointRecord:
     def locations(self) -> dict[MetadataIndex, ItemLocation]:
         return self.metadata.storage_data
 
+    @cached_property
+    def chunks(self) -> dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, list[int]]]:
+        return chunk_table(self.metadata)
+
+    def chunk(self, index: MetadataIndex) -> tuple[torch.dtype, list[int]]:
+        """(dtype, sizes) of the stored chunk a tensor item holds."""
+        return chunk_of(self.chunks, index)
+
     def data_keys(self, prefix: str) -> list[str]:
         return [
             key
             for loc in self.locations.values()
             for key in loc.keys(prefix, self.checkpoint_id, self.save_id)
         ]
+
+
+def chunk_table(
+    metadata: Metadata,
+) -> dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, list[int]]]:
+    """(fqn, chunk offsets) -> (dtype, chunk sizes) for every tensor chunk: one dict lookup per
+    item, where scanning a tensor's chunk list per item would be quadratic in its chunks."""
+    return {
+        (fqn, tuple(chunk.offsets)): (md.properties.dtype, list(chunk.sizes))
+        for fqn, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+        for chunk in md.chunks
+    }
+
+
+def chunk_of(
+    table: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, list[int]]],
+    index: MetadataIndex,
+) -> tuple[torch.dtype, list[int]]:
+    found = table.get((index.fqn, tuple(index.offset or ())))
+    if found is None:
+        raise MetadataError(f"no tensor chunk of {index.fqn!r} at {list(index.offset or [])}")
+    return found
 
 
 # -- plain values (planner_data) ----------------------------------------------------------

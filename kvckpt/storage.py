@@ -670,16 +670,9 @@ class _ItemRead:
         if index.offset is not None and len(reqs) == 1:
             self._try_direct()
 
-    def _tensor_meta(self) -> tuple[torch.dtype, list[int]]:
-        md = self.record.metadata.state_dict_metadata[self.index.fqn]
-        for chunk in md.chunks:  # type: ignore[union-attr]
-            if chunk.offsets == self.index.offset:
-                return md.properties.dtype, list(chunk.sizes)  # type: ignore[union-attr]
-        raise DataError(f"no chunk of {self.index.fqn!r} at {self.index.offset}")
-
     def _try_direct(self) -> None:
         req = self.reqs[0]
-        dtype, sizes = self._tensor_meta()
+        dtype, sizes = self.record.chunk(self.index)
         if any(req.storage_offsets) or list(req.lengths) != sizes:
             return
         target = self.planner.resolve_tensor(req).detach()
@@ -720,7 +713,7 @@ class _ItemRead:
         if self.index.offset is None:
             self._load_object(view)
             return
-        dtype, sizes = self._tensor_meta()
+        dtype, sizes = self.record.chunk(self.index)
         if view.nbytes:
             src = torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(sizes)
         else:

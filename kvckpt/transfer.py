@@ -27,14 +27,20 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
-    TensorStorageMetadata,
 )
 from tqdm import tqdm
 
 from .catalog import mark_pending, publish
 from .engines.base import Engine
 from .errors import DataError, KVCheckpointError, MetadataError
-from .format import CheckpointRecord, ItemLocation, checksum, part_ranges
+from .format import (
+    CheckpointRecord,
+    ItemLocation,
+    checksum,
+    chunk_of,
+    chunk_table,
+    part_ranges,
+)
 from .storage import KVStorageReader, _new_save_id, fetch_parts, tensor_bytes
 from .urls import open_store, validate_name
 
@@ -90,15 +96,6 @@ def read_items(
         for (index, loc), buf in zip(batch, buffers, strict=True):
             yield index, loc, memoryview(buf)
         start = stop
-
-
-def _chunk(md: Metadata, index: MetadataIndex) -> tuple[torch.dtype, list[int]]:
-    tmd = md.state_dict_metadata[index.fqn]
-    assert isinstance(tmd, TensorStorageMetadata)
-    for chunk in tmd.chunks:
-        if chunk.offsets == index.offset:
-            return tmd.properties.dtype, list(chunk.sizes)
-    raise MetadataError(f"no chunk of {index.fqn!r} at {index.offset}")
 
 
 def _as_tensor(view: memoryview, dtype: torch.dtype, sizes: list[int]) -> torch.Tensor:
@@ -318,7 +315,7 @@ def export_checkpoint(
                 if index.offset is None:
                     stream.write(view)
                 else:
-                    torch.save(_as_tensor(view, *_chunk(md, index)), stream)
+                    torch.save(_as_tensor(view, *record.chunk(index)), stream)
                 storage[index] = _StorageInfo(name, offset, stream.tell() - offset)
                 bar.update(loc.nbytes)
     finally:
@@ -403,6 +400,7 @@ def import_checkpoint(
     validate_name(checkpoint_id)
     src = Path(directory)
     md = read_dcp_metadata(src)
+    chunks = chunk_table(md)
     items = sorted(md.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset))
     ranks = {
         int(m.group(1))
@@ -421,7 +419,7 @@ def import_checkpoint(
         try:
             with _progress(total, f"import {checkpoint_id}", progress) as bar:
                 for n, (index, info) in enumerate(items):
-                    view = _read_dcp_item(src, md, index, info, handles)
+                    view = _read_dcp_item(src, md, chunks, index, info, handles)
                     loc = located(0, n, view, part_bytes, sums=engine.checksums_by_default)
                     locations[index] = loc
                     yield from loc.split(view, engine.prefix, checkpoint_id, save_id)
@@ -443,7 +441,12 @@ def import_checkpoint(
 
 
 def _read_dcp_item(
-    src: Path, md: Metadata, index: MetadataIndex, info: Any, handles: dict[str, BinaryIO]
+    src: Path,
+    md: Metadata,
+    chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, list[int]]],
+    index: MetadataIndex,
+    info: Any,
+    handles: dict[str, BinaryIO],
 ) -> memoryview:
     if not isinstance(info, _StorageInfo):
         raise MetadataError(
@@ -470,7 +473,7 @@ def _read_dcp_item(
     smd = md.state_dict_metadata.get(index.fqn)
     if isinstance(smd, BytesStorageMetadata):
         return memoryview(raw)
-    dtype, sizes = _chunk(md, index)
+    dtype, sizes = chunk_of(chunks, index)
     try:
         tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as e:

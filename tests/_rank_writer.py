@@ -14,8 +14,9 @@ warnings.filterwarnings("ignore")
 
 if __name__ == "__main__":
     rank, world, port, url, cid = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *sys.argv[4:6]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     # Distinct names per rank: every rank writes its own share of the data.
     sd = {f"r{rank}.t{i}": torch.full((8 << 18,), float(i)) for i in range(48)}
     dcp.save(sd, storage_writer=KVStorageWriter(url), checkpoint_id=cid)

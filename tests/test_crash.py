@@ -54,9 +54,15 @@ def test_sigkill_mid_save(store_url: str) -> None:
         os.kill(writer.pid, signal.SIGKILL)
         writer.wait()
     assert writer.returncode == -signal.SIGKILL
+    assert_recovered_from_killed_save(url, good)
+
+
+def assert_recovered_from_killed_save(url: str, good: dict) -> None:
+    """After a save of 'victim' was killed mid-write, with 'good' committed before it."""
+    engine = open_store(url)
+    victim_data = data_prefix(engine.prefix, "victim")
     left = list(engine.scan(victim_data))
     assert left, "the kill should have left partial data behind"
-
     # The partial save is invisible to readers and to 'latest' ...
     assert [i.checkpoint_id for i in list_checkpoints(url)] == ["good"]
     assert latest_checkpoint(url) == "good"
@@ -71,7 +77,7 @@ def test_sigkill_mid_save(store_url: str) -> None:
     assert report.deleted_keys == len(left)
     assert list(engine.scan(victim_data)) == []
     assert list_checkpoints(url, include_incomplete=True)[0].checkpoint_id == "good"
-    # The next save of that id works.
+    # The next save of that id works (gc released the dead writer's lease).
     dcp.save({"w": torch.ones(3)}, storage_writer=KVStorageWriter(url), checkpoint_id="victim")
     assert latest_checkpoint(url) == "victim"
 
@@ -85,9 +91,15 @@ def test_sigkill_one_rank_of_a_two_rank_save(store_url: str) -> None:
     dcp.save(good, storage_writer=KVStorageWriter(url), checkpoint_id="good")
     engine = open_store(url)
     port = str(free_port())
-    ranks = [subprocess.Popen([sys.executable, "-m", "tests._rank_writer", str(r), "2", port,
-                               url, "victim"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-             for r in range(2)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests._rank_writer", str(r), "2", port, url, "victim"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     victim_data = data_prefix(engine.prefix, "victim")
     deadline = time.monotonic() + 120
     try:
@@ -103,15 +115,4 @@ def test_sigkill_one_rank_of_a_two_rank_save(store_url: str) -> None:
             if p.poll() is None:
                 p.kill()
             p.wait()
-    left = list(engine.scan(victim_data))
-    assert left
-    assert [i.checkpoint_id for i in list_checkpoints(url)] == ["good"]
-    assert latest_checkpoint(url) == "good"
-    out = {"w": torch.zeros(1000), "step": 0}
-    dcp.load(out, storage_reader=KVStorageReader(url), checkpoint_id="good")
-    assert torch.equal(out["w"], good["w"]) and out["step"] == 1
-    report = gc(url, incomplete_older_than=0)
-    assert report.deleted_keys == len(left)
-    assert list(engine.scan(victim_data)) == []
-    dcp.save({"w": torch.ones(3)}, storage_writer=KVStorageWriter(url), checkpoint_id="victim")
-    assert latest_checkpoint(url) == "victim"
+    assert_recovered_from_killed_save(url, good)
