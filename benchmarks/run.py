@@ -23,6 +23,7 @@ import platform
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -671,6 +672,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disk-dir", default=None, help="a directory on disk (default: /tmp)")
     parser.add_argument("--out", default="benchmarks/results", help="where results go")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
+    parser.add_argument(
+        "--with",
+        dest="extra",
+        action="append",
+        choices=["resume", "scaling"],
+        default=[],
+        help="also run benchmarks/resume.py (time to resume after a rank dies) or "
+        "benchmarks/scaling.py (1-4 ranks, one Redis vs a cluster), at their defaults, into --out",
+    )
     args = parser.parse_args(argv)
     results = run(args)
     results["machine"] = (
@@ -698,6 +708,9 @@ def main(argv: list[str] | None = None) -> int:
             chart(results, out / "results.png")
     chart_note = "" if args.no_chart else ", results.png"
     print(f"\nwrote {out / 'results.json'}, results.md{chart_note}")
+    for name in args.extra:
+        script = Path(__file__).with_name(f"{name}.py")
+        subprocess.run([sys.executable, str(script), "--out", str(out)], check=True)
     return 0
 
 

@@ -10,6 +10,8 @@ from .errors import (
     InvalidURLError,
     KVCheckpointError,
     MetadataError,
+    ReadOnlyStoreError,
+    ReplicationError,
     StoreFullError,
     StoreUnavailableError,
     UnsafeObjectError,
@@ -25,6 +27,8 @@ from .manage import (
     list_checkpoints,
 )
 from .storage import KVStorageReader, KVStorageWriter
+from .tiered import Restore, TieredStorageWriter, Tiers
+from .transfer import DirectoryReader
 from .urls import open_store
 
 __all__ = [
@@ -32,6 +36,7 @@ __all__ = [
     "CheckpointLockedError",
     "CheckpointNotFoundError",
     "DataError",
+    "DirectoryReader",
     "Engine",
     "GcReport",
     "IntegrityError",
@@ -41,8 +46,13 @@ __all__ = [
     "KVStorageReader",
     "KVStorageWriter",
     "MetadataError",
+    "ReadOnlyStoreError",
+    "ReplicationError",
+    "Restore",
     "StoreFullError",
     "StoreUnavailableError",
+    "TieredStorageWriter",
+    "Tiers",
     "UnsafeObjectError",
     "UnsafeStoreError",
     "UnsupportedFormatVersionError",

@@ -12,18 +12,20 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from .engines.base import Engine
-from .errors import CheckpointLockedError, MetadataError
+from .errors import CheckpointLockedError, MetadataError, ReadOnlyStoreError
 from .format import (
     CheckpointRecord,
     ItemLocation,
+    data_prefix,
     decode_metadata,
     encode_metadata,
     meta_key,
@@ -56,6 +58,8 @@ class Index:
 
     checkpoints: dict[str, dict[str, Any]]
     pending: dict[str, dict[str, Any]]
+    #: saves whose metadata is gone but whose data a reader may still be loading
+    retired: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def decode(cls, raw: bytes | None, *, where: str) -> Index:
@@ -84,7 +88,10 @@ class Index:
                 f"the checkpoint index of {where} has version {doc.get('version')!r}, newer "
                 f"than this kvckpt reads ({INDEX_VERSION}): upgrade kvckpt"
             )
-        return cls(doc["checkpoints"], doc["pending"])
+        retired = doc.get("retired", {})
+        if not isinstance(retired, dict) or not all(isinstance(v, dict) for v in retired.values()):
+            retired = {}  # an optional field: data it named is found by gc's orphan scan
+        return cls(doc["checkpoints"], doc["pending"], retired)
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -93,6 +100,7 @@ class Index:
                 "version": INDEX_VERSION,
                 "checkpoints": self.checkpoints,
                 "pending": self.pending,
+                "retired": self.retired,
             },
             use_bin_type=True,
         )
@@ -123,15 +131,16 @@ def update_index(
     watch: tuple[str, ...] = (),
     extra: Callable[[list[bytes | None]], dict[str, bytes | None]] | None = None,
 ) -> None:
-    """Atomically apply ``change`` to the index, together with ``extra`` writes to ``watch``."""
+    """Atomically apply ``change`` to the index, together with ``extra`` writes to ``watch``
+    (``extra`` runs first and gets the watched keys' current values)."""
     key = index_key(engine.prefix)
 
     def update(current: list[bytes | None]) -> dict[str, bytes | None]:
         index = Index.decode(current[0], where=engine.url)
+        # ``extra`` sees the watched values first, so ``change`` can act on what it found.
+        writes = {} if extra is None else extra(current[1:])
         change(index)
-        writes: dict[str, bytes | None] = {key: index.encode()}
-        if extra is not None:
-            writes.update(extra(current[1:]))
+        writes[key] = index.encode()
         return writes
 
     engine.transact([key, *watch], update)
@@ -231,29 +240,167 @@ def release_lease(engine: Engine, checkpoint_id: str, save_id: str, rank: int | 
     engine.transact([key], update)
 
 
-def commit(engine: Engine, raw: bytes, entry: dict[str, Any]) -> bytes | None:
+def readers_key(prefix: str, checkpoint_id: str) -> str:
+    return f"{{{prefix}}}/readers/{checkpoint_id}"
+
+
+def live_readers(raw: bytes | None, now: float | None = None) -> dict[str, dict[str, Any]]:
+    """The unexpired read leases in a readers value (token -> lease)."""
+    lease = _decode_lease(raw)
+    if not lease:
+        return {}
+    now = time.time() if now is None else now
+    return {
+        token: held
+        for token, held in lease.items()
+        if isinstance(token, str)
+        and isinstance(held, dict)
+        and isinstance(held.get("expires_at"), int | float)
+        and held["expires_at"] > now
+    }
+
+
+def hold_read_lease(
+    engine: Engine, checkpoint_id: str, token: str, lease_seconds: float | None
+) -> None:
+    """Take, renew (``lease_seconds``) or release (None) a reader's lease on a checkpoint id.
+
+    A reader takes it *before* it reads the metadata, so whatever save it then finds keeps its
+    data until the lease is released or lapses: retention retires that save (its metadata goes
+    at once) and deletes the data later. One small key per checkpoint id holds every reader's
+    lease; expired ones are dropped on each update, so a reader that crashed blocks nothing
+    for longer than its lease.
+    """
+    key = readers_key(engine.prefix, checkpoint_id)
+
+    def update(current: list[bytes | None]) -> dict[str, bytes | None]:
+        now = time.time()
+        held = live_readers(current[0], now)
+        if lease_seconds is None:
+            if token not in held:
+                return {}
+            del held[token]
+        else:
+            held[token] = {
+                "expires_at": now + lease_seconds,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+            }
+        return {key: msgpack.packb(held) if held else None}
+
+    engine.transact([key], update)
+
+
+@contextmanager
+def read_lease(
+    engine: Engine, checkpoint_id: str, lease_seconds: float
+) -> Iterator[Callable[[], None]]:
+    """Hold a read lease for the duration of a block; yields a function that renews it."""
+    token = _new_token()
+    try:
+        hold_read_lease(engine, checkpoint_id, token, lease_seconds)
+    except ReadOnlyStoreError:
+        # A replica: nothing deletes through it, and its primary's deletions cannot see a lease
+        # anyway. Read without one.
+        yield lambda: None
+        return
+    renewed = [time.monotonic()]
+
+    def renew() -> None:
+        if time.monotonic() - renewed[0] > lease_seconds / 3:
+            hold_read_lease(engine, checkpoint_id, token, lease_seconds)
+            renewed[0] = time.monotonic()
+
+    try:
+        yield renew
+    finally:
+        try:
+            hold_read_lease(engine, checkpoint_id, token, None)
+        except Exception:  # the lease lapses on its own; never mask the load's own outcome
+            logger.warning("could not release a read lease on %r in %s", checkpoint_id, engine.url)
+
+
+def _new_token() -> str:
+    return os.urandom(8).hex()
+
+
+def retire_name(checkpoint_id: str, save_id: str) -> str:
+    return f"{checkpoint_id}/{save_id}"
+
+
+def retire(
+    index: Index, readers_raw: bytes | None, checkpoint_id: str, save_ids: Iterable[str]
+) -> bool:
+    """Inside a transaction that removes saves' metadata: decide whether their data can be
+    deleted now (True) or must wait for live readers (False, and the saves are recorded in
+    ``index.retired`` for ``collect_retired``)."""
+    if not live_readers(readers_raw):
+        return True
+    now = time.time()
+    for save_id in save_ids:
+        index.retired[retire_name(checkpoint_id, save_id)] = {
+            "checkpoint_id": checkpoint_id,
+            "save_id": save_id,
+            "retired_at": now,
+        }
+    return False
+
+
+def collect_retired(engine: Engine, index: Index | None = None) -> int:
+    """Delete the data of retired saves whose readers have all finished (or whose leases
+    lapsed). Returns the number of keys deleted."""
+    index = read_index(engine) if index is None else index
+    if not index.retired:
+        return 0
+    ids = sorted({str(e.get("checkpoint_id")) for e in index.retired.values()})
+    busy = {cid for cid in ids if live_readers(engine.get(readers_key(engine.prefix, cid)))}
+    done = {n: e for n, e in index.retired.items() if e.get("checkpoint_id") not in busy}
+    deleted = 0
+    for entry in done.values():
+        cid, save_id = entry.get("checkpoint_id"), entry.get("save_id")
+        if isinstance(cid, str) and isinstance(save_id, str):
+            deleted += engine.delete_prefix(data_prefix(engine.prefix, cid, save_id))
+    if done:
+
+        def change(idx: Index) -> None:
+            for name in done:
+                idx.retired.pop(name, None)
+
+        update_index(engine, change)
+    return deleted
+
+
+def commit(engine: Engine, raw: bytes, entry: dict[str, Any]) -> tuple[bytes | None, bool]:
     """Write a checkpoint's metadata ``raw`` and its index ``entry`` (see ``summary``) in one
-    atomic transaction. Returns the metadata value it replaced (a re-save of the same id).
+    atomic transaction. Returns the metadata value it replaced (a re-save of the same id) and
+    whether that save's data may be deleted now (False while readers hold leases on the id:
+    it is then retired, for ``collect_retired``).
     """
     cid, rank = entry["checkpoint_id"], entry["rank"]
     key = meta_key(engine.prefix, cid, rank)
     lease = lease_key(engine.prefix, cid, rank)
-    replaced: list[bytes | None] = [None]
-
-    def change(index: Index) -> None:
-        index.checkpoints[entry_name(cid, rank)] = entry
-        index.pending.pop(pending_name(cid, entry["save_id"], rank), None)
+    replaced: list[bytes | None] = [None, None]
+    deletable = [True]
 
     def extra(current: list[bytes | None]) -> dict[str, bytes | None]:
-        replaced[0] = current[0]
+        replaced[:] = [current[0], current[2]]
         held = _decode_lease(current[1])
         writes: dict[str, bytes | None] = {key: raw}
         if held is not None and held.get("save_id") == entry["save_id"]:
             writes[lease] = None  # the commit releases this save's lease
         return writes
 
-    update_index(engine, change, watch=(key, lease), extra=extra)
-    return replaced[0]
+    def change(index: Index) -> None:
+        name = entry_name(cid, rank)
+        old = index.checkpoints.get(name, {}).get("save_id")
+        if replaced[0] is not None and old != entry["save_id"]:
+            deletable[0] = retire(index, replaced[1], cid, [old] if isinstance(old, str) else [])
+        index.checkpoints[name] = entry
+        index.pending.pop(pending_name(cid, entry["save_id"], rank), None)
+
+    readers = readers_key(engine.prefix, cid)
+    update_index(engine, change, watch=(key, lease, readers), extra=extra)
+    return replaced[0], deletable[0]
 
 
 def publish(
@@ -266,10 +413,12 @@ def publish(
     world_size: int,
     rank: int | None = None,
     ttl: float | None = None,
+    created_at: float | None = None,
 ) -> float:
     """Commit a checkpoint whose data is stored: encode its metadata, write it and its index
-    entry atomically, then delete the data of the save it replaced. Returns the commit time."""
-    created_at = time.time()
+    entry atomically, then delete the data of the save it replaced. Returns the commit time
+    (``created_at``, when given: a copy keeps the time its original was taken)."""
+    created_at = time.time() if created_at is None else created_at
     raw = encode_metadata(
         metadata,
         locations,
@@ -290,7 +439,7 @@ def publish(
         "world_size": world_size,
         "expires_at": expires_at,
     }
-    replaced = commit(engine, raw, entry)
+    replaced, deletable = commit(engine, raw, entry)
     if ttl is not None and expires_at is not None:
         engine.expire_at([meta_key(engine.prefix, checkpoint_id, rank)], expires_at)
         # Data outlives its metadata by a grace period, so a load that read the metadata just
@@ -304,7 +453,7 @@ def publish(
             ),
             expires_at + grace,
         )
-    if replaced is not None:
+    if replaced is not None and deletable:
         try:
             old = decode_metadata(replaced, where=f"replaced checkpoint {checkpoint_id!r}")
         except MetadataError as e:
@@ -312,6 +461,10 @@ def publish(
         else:
             if old.save_id != save_id:
                 engine.delete(old.data_keys(engine.prefix))
+    try:
+        collect_retired(engine)  # data earlier saves left to readers that have since finished
+    except Exception as e:
+        logger.warning("could not delete retired saves' data in %s: %s (run gc)", engine.url, e)
     return created_at
 
 

@@ -23,6 +23,10 @@ class StoreUnavailableError(KVCheckpointError, ConnectionError):
     """The store could not be reached or opened."""
 
 
+class ReadOnlyStoreError(StoreUnavailableError):
+    """The store takes no writes (a Redis replica): save, delete and gc go to its primary."""
+
+
 class CheckpointNotFoundError(KVCheckpointError, LookupError):
     """No committed checkpoint has the requested id."""
 
@@ -57,3 +61,7 @@ class UnsafeStoreError(KVCheckpointError):
 
 class CheckpointLockedError(KVCheckpointError):
     """Another writer holds the write lease of this checkpoint id."""
+
+
+class ReplicationError(KVCheckpointError):
+    """A checkpoint committed in the fast tier could not be copied to a slower one."""

@@ -14,7 +14,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .catalog import Index, read_index, rebuild_index, release_lease, update_index
+from .catalog import (
+    Index,
+    collect_retired,
+    read_index,
+    readers_key,
+    rebuild_index,
+    release_lease,
+    retire,
+    update_index,
+)
 from .engines.base import Engine
 from .errors import CheckpointNotFoundError, MetadataError
 from .format import data_prefix, decode_metadata, meta_key
@@ -169,26 +178,34 @@ def delete_checkpoint(store: str | Engine, checkpoint_id: str) -> int:
     engine = _engine(store)
     validate_name(checkpoint_id)
     keys = _checkpoint_meta_keys(engine, read_index(engine), checkpoint_id)
-    old: list[bytes | None] = []
-
-    def change(index: Index) -> None:
-        for name in [
-            n for n, e in index.checkpoints.items() if e.get("checkpoint_id") == checkpoint_id
-        ]:
-            del index.checkpoints[name]
+    old_meta: list[bytes | None] = []
+    readers: list[bytes | None] = [None]
+    deletable = [True]
 
     def extra(current: list[bytes | None]) -> dict[str, bytes | None]:
-        old[:] = current
+        old_meta[:], readers[0] = current[:-1], current[-1]
         return dict.fromkeys(keys)
 
-    update_index(engine, change, watch=tuple(keys), extra=extra)
-    if all(v is None for v in old):
+    def change(index: Index) -> None:
+        names = [n for n, e in index.checkpoints.items() if e.get("checkpoint_id") == checkpoint_id]
+        save_ids = {index.checkpoints[n].get("save_id") for n in names}
+        deletable[0] = retire(
+            index, readers[0], checkpoint_id, sorted(s for s in save_ids if isinstance(s, str))
+        )
+        for name in names:
+            del index.checkpoints[name]
+
+    watch = (*keys, readers_key(engine.prefix, checkpoint_id))
+    update_index(engine, change, watch=watch, extra=extra)
+    if all(v is None for v in old_meta):
         raise CheckpointNotFoundError(
             f"checkpoint {checkpoint_id!r} not found in {engine.url}; `kvckpt ls URL` lists "
             "the checkpoints there"
         )
+    if not deletable[0]:
+        return 0  # readers are loading it: its data goes once they finish (collect_retired)
     deleted = 0
-    for raw in old:
+    for raw in old_meta:
         if raw is None:
             continue
         try:
@@ -277,6 +294,8 @@ def gc(
 
         update_index(engine, change)
 
+    report.deleted_keys += collect_retired(engine)
+
     if scan_orphans:
         # Scan first, read the index after: a save that starts meanwhile registers as pending
         # before it writes any data, so its keys are seen as referenced.
@@ -288,6 +307,7 @@ def gc(
         index = read_index(engine)
         live = {(e.get("checkpoint_id"), e.get("save_id")) for e in index.checkpoints.values()}
         live |= {(p.get("checkpoint_id"), p.get("save_id")) for p in index.pending.values()}
+        live |= {(r.get("checkpoint_id"), r.get("save_id")) for r in index.retired.values()}
         for save, keys in found.items():
             if save not in live:
                 report.deleted_keys += engine.delete(keys)

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .catalog import mark_pending, publish, release_lease, renew_lease
+from .catalog import mark_pending, publish, read_lease, release_lease, renew_lease
 from .engines.base import Engine
 from .errors import (
     CheckpointNotFoundError,
@@ -91,6 +91,7 @@ class _PlanData:
     save_id: str
     rank: int
     session: str | None = None  # the store's session id when the save started
+    replicas: tuple[int, ...] = ()  # tiers (``kvckpt.Tiers``) this save is copied to
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -213,6 +214,10 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         self.save_id = _new_save_id()
         self.rank: int | None = None
         self.use_collectives = True
+        #: largest value per key; ``Tiers`` sets the smallest of its stores' so that every
+        #: tier holds byte-identical keys and one metadata value fits them all
+        self.part_bytes = int(self.engine.max_value_bytes)
+        self.committed_at: float | None = None
 
     # -- DCP StorageWriter -------------------------------------------------------------------
 
@@ -266,7 +271,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         checkpoint_id = self._require_id()
         where: _PlanData = plan.storage_data
         self.save_id = where.save_id
-        part_bytes = int(self.engine.max_value_bytes)
+        part_bytes = self.part_bytes
         prefix = self.engine.prefix
         results: list[WriteResult] = []
         lease_rank = None if self.use_collectives else where.rank
@@ -311,6 +316,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                 preflight(sum(_planned_bytes(item) for item in plan.items))
             with gc_paused():
                 self.engine.put_many(values())
+            self.engine.sync_replicas()
             if hasher is not None:
                 results[:] = [
                     dataclasses.replace(
@@ -346,9 +352,9 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         written before the restart is gone and must never be committed."""
         if getattr(self, "_session", None) is not None and self._session_id() != self._session:
             raise StoreUnavailableError(
-                f"{self.engine.url} restarted while checkpoint {checkpoint_id!r} was being "
-                "saved: what was written before the restart is gone, so the checkpoint was not "
-                "committed. Save it again."
+                f"{self.engine.url} restarted or failed over while checkpoint "
+                f"{checkpoint_id!r} was being saved: what was written before may be gone, so "
+                "the checkpoint was not committed. Save it again."
             )
 
     def _discard_partial(self, checkpoint_id: str, where: _PlanData) -> None:
@@ -376,7 +382,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
             world_size = max(len(results), 1)
         metadata.storage_meta = self.storage_meta()
         self._check_session(checkpoint_id)
-        publish(
+        self.committed_at = publish(
             self.engine,
             metadata,
             locations,
@@ -386,6 +392,13 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
             rank=rank,
             ttl=self.ttl,
         )
+        try:
+            self.engine.sync_replicas()
+        except StoreUnavailableError as e:
+            raise StoreUnavailableError(
+                f"checkpoint {checkpoint_id!r} is committed on {self.engine.url} but not yet "
+                f"on its replicas: {e}"
+            ) from None
         if self.keep_last is not None:
             gc(
                 self.engine,
@@ -408,6 +421,11 @@ class KVStorageReader(_KVStorageBase, StorageReader):
         verify: check each value against the checksum recorded at save (when the save recorded
             them). Default: the engine's choice (on for Redis, off for LMDB).
         batch_bytes: how many bytes to request from the engine per batch (bounds memory).
+        lease: seconds a load holds its read lease on the checkpoint id without renewing it
+            (it renews between batches). While one is held, retention (``keep_last``, ``gc``,
+            ``delete_checkpoint``) and re-saves of the id remove the metadata at once but leave
+            the data in place until the load is done; a reader that crashed holds it no longer
+            than this.
     """
 
     def __init__(
@@ -418,6 +436,7 @@ class KVStorageReader(_KVStorageBase, StorageReader):
         weights_only: bool = True,
         verify: bool | None = None,
         batch_bytes: int = _DEFAULT_BATCH_BYTES,
+        lease: float = 60.0,
     ) -> None:
         super().__init__()
         self.engine = open_store(store)
@@ -427,14 +446,18 @@ class KVStorageReader(_KVStorageBase, StorageReader):
             bool(getattr(self.engine, "checksums_by_default", False)) if verify is None else verify
         )
         self.batch_bytes = batch_bytes
+        self.lease = lease
         self.load_id = _new_save_id()
         self._record: CheckpointRecord | None = None
+        self._lease: contextlib.AbstractContextManager[Callable[[], None]] | None = None
+        self._renew_lease: Callable[[], None] | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.checkpoint_id = _checkpoint_id(checkpoint_id)
         self.load_id = _new_save_id()
         self._record = None
+        self._release_lease()
 
     def read_record(self, rank: int | None = None) -> CheckpointRecord:
         """The checkpoint's decoded metadata (kvckpt's fields and DCP's ``Metadata``)."""
@@ -467,8 +490,26 @@ class KVStorageReader(_KVStorageBase, StorageReader):
 
     # -- DCP StorageReader --------------------------------------------------------------------
 
+    def _take_lease(self) -> None:
+        self._release_lease()
+        lease = read_lease(self.engine, self._require_id(), self.lease)
+        self._renew_lease = lease.__enter__()
+        self._lease = lease
+
+    def _release_lease(self) -> None:
+        lease, self._lease, self._renew_lease = self._lease, None, None
+        if lease is not None:
+            lease.__exit__(None, None, None)
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        self._record = self.read_record(kwargs.get("rank"))
+        # The lease comes first: whatever save the metadata then names keeps its data until
+        # this load is done, even if retention or a re-save retires it meanwhile.
+        self._take_lease()
+        try:
+            self._record = self.read_record(kwargs.get("rank"))
+        except BaseException:
+            self._release_lease()
+            raise
         metadata = self._record.metadata
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
@@ -491,8 +532,11 @@ class KVStorageReader(_KVStorageBase, StorageReader):
         record = self._record
         if record is None:
             raise KVCheckpointError("read_data called before read_metadata")
-        with gc_paused():
-            self._read_all(record, plan, planner)
+        try:
+            with gc_paused():
+                self._read_all(record, plan, planner)
+        finally:
+            self._release_lease()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -519,6 +563,8 @@ class KVStorageReader(_KVStorageBase, StorageReader):
                 if size >= self.batch_bytes:
                     self._read_batch(batch)
                     batch, size = [], 0
+                    if self._renew_lease is not None:
+                        self._renew_lease()
             if batch:
                 self._read_batch(batch)
 
@@ -573,6 +619,19 @@ class KVStorageReader(_KVStorageBase, StorageReader):
                 lambda i, start, view: staged[i].add_part(start, view),
                 verify=self.verify,
             )
+
+
+def check_weights_only(data: bytes, what: str, opt_out: str) -> None:
+    """Refuse an object value that ``torch.load(weights_only=True)`` would not load: DCP's
+    planners unpickle object items without restriction, so this check comes first."""
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:
+        raise UnsafeObjectError(
+            f"{what} cannot be loaded under torch.load(weights_only=True) rules: "
+            f"{type(e).__name__}: {str(e)[:300]}. If you trust everyone who can write there, "
+            f"pass {opt_out}."
+        ) from None
 
 
 def key_fqn(items: list[_ItemRead], key: str) -> str:
@@ -732,16 +791,12 @@ class _ItemRead:
     def _load_object(self, view: memoryview) -> None:
         data = bytes(view)
         if self.reader.weights_only:
-            try:
-                torch.load(io.BytesIO(data), weights_only=True)
-            except Exception as e:
-                raise UnsafeObjectError(
-                    f"object {self.index.fqn!r} in checkpoint {self.record.checkpoint_id!r} "
-                    f"({self.reader.engine.url}) cannot be loaded under torch.load("
-                    f"weights_only=True) rules: {type(e).__name__}: {str(e)[:300]}. If you trust "
-                    "everyone who can write to this store, pass "
-                    "KVStorageReader(..., weights_only=False)."
-                ) from None
+            check_weights_only(
+                data,
+                f"object {self.index.fqn!r} in checkpoint {self.record.checkpoint_id!r} "
+                f"({self.reader.engine.url})",
+                "KVStorageReader(..., weights_only=False)",
+            )
         for req in self.reqs:
             if req.type != LoadItemType.BYTE_IO:
                 raise DataError(f"{self.index.fqn!r} is stored as an object, not a tensor")

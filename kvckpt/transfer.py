@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from tqdm import tqdm
 
-from .catalog import mark_pending, publish
+from .catalog import mark_pending, publish, read_lease
 from .engines.base import Engine
 from .errors import DataError, KVCheckpointError, MetadataError
 from .format import (
@@ -41,7 +41,13 @@ from .format import (
     chunk_table,
     part_ranges,
 )
-from .storage import KVStorageReader, _new_save_id, fetch_parts, tensor_bytes
+from .storage import (
+    KVStorageReader,
+    _new_save_id,
+    check_weights_only,
+    fetch_parts,
+    tensor_bytes,
+)
 from .urls import open_store, validate_name
 
 _BATCH_BYTES = 256 << 20
@@ -59,8 +65,14 @@ def _progress(total: int, desc: str, enabled: bool) -> tqdm:
     )
 
 
+#: How long a tool (verify, copy, export) holds its read lease; it does not renew it, so this
+#: bounds how long a crashed tool delays the deletion of a retired checkpoint's data.
+TOOL_READ_LEASE = 600.0
+
+
 def _records(engine: Engine, checkpoint_id: str) -> list[CheckpointRecord]:
-    """A checkpoint's metadata records: one for a collective save, one per rank otherwise."""
+    """A checkpoint's metadata records: one for a collective save, one per rank otherwise.
+    Callers hold a ``read_lease`` around this and their reads of the data."""
     reader = KVStorageReader(engine, checkpoint_id=checkpoint_id)
     try:
         return [reader.read_record()]
@@ -140,6 +152,12 @@ def verify(store: str | Engine, checkpoint_id: str, *, progress: bool = False) -
     and, where the save recorded checksums, that every value matches its checksum."""
     engine = open_store(store)
     report = VerifyReport(checkpoint_id)
+    with read_lease(engine, checkpoint_id, TOOL_READ_LEASE):
+        _verify(engine, checkpoint_id, report, progress)
+    return report
+
+
+def _verify(engine: Engine, checkpoint_id: str, report: VerifyReport, progress: bool) -> None:
     for record in _records(engine, checkpoint_id):
         if any(loc.checksums for loc in record.locations.values()):
             _verify_checksums(engine, record, report, progress)
@@ -166,7 +184,6 @@ def verify(store: str | Engine, checkpoint_id: str, *, progress: bool = False) -
                 bar.update(len(batch))
         report.keys += len(expected)
         report.total_bytes += record.total_bytes
-    return report
 
 
 def _verify_checksums(
@@ -241,8 +258,9 @@ def copy_checkpoint(
     ):
         raise KVCheckpointError("copying a checkpoint onto itself: give a NEW_ID or another store")
     last = None
-    for record in _records(src_engine, checkpoint_id):
-        last = _copy_record(src_engine, record, dst_engine, target, progress)
+    with read_lease(src_engine, checkpoint_id, TOOL_READ_LEASE):
+        for record in _records(src_engine, checkpoint_id):
+            last = _copy_record(src_engine, record, dst_engine, target, progress)
     assert last is not None
     return last
 
@@ -290,6 +308,11 @@ def export_checkpoint(
 ) -> Path:
     """Write a checkpoint as a standard DCP directory (FileSystemWriter's layout)."""
     engine = open_store(store)
+    with read_lease(engine, checkpoint_id, TOOL_READ_LEASE):
+        return _export(engine, checkpoint_id, Path(directory), progress)
+
+
+def _export(engine: Engine, checkpoint_id: str, out: Path, progress: bool) -> Path:
     records = _records(engine, checkpoint_id)
     if len(records) != 1:
         raise KVCheckpointError(
@@ -297,7 +320,6 @@ def export_checkpoint(
             "export supports checkpoints saved with collectives"
         )
     (record,) = records
-    out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):
         raise KVCheckpointError(f"export directory {out} is not empty: choose a new one")
@@ -504,3 +526,46 @@ def torch_save_checkpoint(store: str | Engine, checkpoint_id: str, path: str | o
     )
     torch.save(state_dict, path)
     return Path(path)
+
+
+class DirectoryReader(FileSystemReader):
+    """DCP's ``FileSystemReader`` without its two unrestricted unpicklings: ``.metadata`` is
+    read by the restricted unpickler above, and object items load only if
+    ``torch.load(weights_only=True)`` accepts them (``weights_only=False`` to opt out). Used to
+    restore from a durable tier that more than one party can write to."""
+
+    def __init__(self, path: str | os.PathLike, *, weights_only: bool = True) -> None:
+        super().__init__(path)
+        self.weights_only = weights_only
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_dcp_metadata(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        if self.weights_only:
+            planner = _WeightsOnlyPlanner(planner, str(self.path))
+        return super().read_data(plan, planner)
+
+
+class _WeightsOnlyPlanner:
+    """Checks each object item under ``weights_only`` rules before the real planner sees it."""
+
+    def __init__(self, planner: Any, where: str) -> None:
+        self._planner = planner
+        self._where = where
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        data = value.read()
+        check_weights_only(
+            data,
+            f"object {read_item.dest_index.fqn!r} in {self._where}",
+            "DirectoryReader(..., weights_only=False)",
+        )
+        self._planner.load_bytes(read_item, io.BytesIO(data))

@@ -1,6 +1,7 @@
 """Store URLs: parsing, password masking, and URL scheme -> engine (``open_store``).
 
-Built-in schemes: ``lmdb``, ``redis``, ``rediss``, ``unix``. Third-party packages add schemes
+Built-in schemes: ``lmdb``, ``redis``, ``rediss``, ``unix``, ``redis+cluster``,
+``rediss+cluster``. Third-party packages add schemes
 through the entry-point group ``kvckpt.engines``; the entry point names the scheme and points to
 a callable taking the URL string and returning an :class:`~kvckpt.engines.base.Engine`.
 """
@@ -18,7 +19,7 @@ from .errors import InvalidURLError, KVCheckpointError
 
 DEFAULT_PREFIX = "kvckpt"
 ENTRY_POINT_GROUP = "kvckpt.engines"
-BUILTIN_SCHEMES = ("lmdb", "redis", "rediss", "unix")
+BUILTIN_SCHEMES = ("lmdb", "redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=-]*$")
 
@@ -110,6 +111,10 @@ def _builtin_factory(scheme: str) -> Callable[[str], Engine]:
         from .engines.lmdb import LMDBEngine
 
         return LMDBEngine.from_url
+    if scheme.endswith("+cluster"):
+        from .engines.redis_cluster import RedisClusterEngine
+
+        return RedisClusterEngine.from_url
     from .engines.redis import RedisEngine
 
     return RedisEngine.from_url

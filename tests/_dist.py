@@ -159,3 +159,22 @@ def fs_save_worker(rank: int, world_size: int, port: int, directory: str) -> Non
     _init(rank, world_size, port)
     dcp.save(distributed_state_dict(world_size), checkpoint_id=directory)
     _finish()
+
+
+def tiered_worker(rank: int, world_size: int, port: int, local: str, shared: str) -> None:
+    """A 2-rank async save through Tiers, then a restore that every rank agrees on."""
+    from kvckpt import Tiers
+
+    _init(rank, world_size, port)
+    tiers = Tiers([local, shared])
+    sd = distributed_state_dict(world_size)
+    fut = dcp.async_save(sd, storage_writer=tiers.writer(), checkpoint_id="tiered")
+    fut.result()
+    tiers.wait()
+    dist.barrier()
+    out = distributed_state_dict(world_size, fill_zeros=True)
+    choice = tiers.restore(out)
+    assert choice is not None and choice.checkpoint_id == "tiered" and choice.tier == 0
+    check_distributed(out)
+    tiers.close()
+    _finish()

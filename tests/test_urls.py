@@ -112,3 +112,13 @@ def test_entry_point_plugin_registers_a_scheme(tmp_path, monkeypatch) -> None:
     engine = open_store(f"mem://{tmp_path / 'store'}")
     assert isinstance(engine, LMDBEngine)
     sys.modules.pop("memplugin", None)
+
+
+def test_cluster_urls_parse_and_mask() -> None:
+    engine = open_store("redis+cluster://trainer:s3cret@10.0.0.1:7000,10.0.0.2:7001?prefix=run1")
+    assert engine.startup == [("10.0.0.1", 7000), ("10.0.0.2", 7001)]
+    assert engine.prefix == "run1" and engine.username == "trainer"
+    assert "s3cret" not in engine.url and "s3cret" not in repr(engine)
+    assert open_store("rediss+cluster://h:1").tls
+    with pytest.raises(InvalidURLError, match="host:port pairs"):
+        open_store("redis+cluster://h1:7000,h2")

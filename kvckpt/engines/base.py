@@ -125,6 +125,11 @@ class Engine(ABC):
         store is durable. A save fails rather than commit across a change."""
         return None
 
+    def sync_replicas(self) -> None:  # noqa: B027 - optional hook
+        """Block until everything written so far meets the store's replication setting (Redis:
+        ``WAIT`` for ``wait_replicas``); raise if it cannot. A save calls it after its data and
+        again after its commit."""
+
     def preflight(self, nbytes: int) -> None:  # noqa: B027 - optional hook
         """Before a save writes ``nbytes``: raise if the store cannot take them safely."""
 

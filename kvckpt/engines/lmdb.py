@@ -25,7 +25,7 @@ from typing import Any
 
 import lmdb
 
-from ..errors import InvalidURLError, StoreUnavailableError
+from ..errors import InvalidURLError, StoreFullError, StoreUnavailableError
 from ..urls import (
     DEFAULT_PREFIX,
     parse_bool,
@@ -282,11 +282,17 @@ class LMDBEngine(Engine):
         call and ``MADV_POPULATE_WRITE`` maps them. Only the shortfall beyond the free pages
         LMDB can reuse is allocated, so a store in steady state (old checkpoints deleted, pages
         reused) allocates nothing.
+
+        It is also what keeps a full filesystem from killing the process: with ``writemap``,
+        LMDB stores into the map directly, and touching a page the filesystem has no room for
+        raises SIGBUS. Allocating first turns that into ENOSPC, and a clear error, before LMDB
+        writes anything.
         """
-        if not self._options["writemap"] or nbytes < 64 * _MIB:
+        if not self._options["writemap"]:
             return
         start, free, map_size = self._space(shared)
-        length = min(nbytes - free, map_size - start)
+        # The values plus LMDB's own pages (branch pages, page headers, the free list).
+        length = min(nbytes + nbytes // 16 + _MIB - free, map_size - start)
         if length <= 0:
             return
         data_file = os.path.join(self.path, "data.mdb")
@@ -298,12 +304,23 @@ class LMDBEngine(Engine):
                 os.close(fd)
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                raise StoreUnavailableError(
-                    f"no space left for {nbytes} more bytes in the LMDB store at {self.path}: "
-                    "free space on that filesystem, or delete old checkpoints (kvckpt gc)"
-                ) from None
+                raise self._full(nbytes) from None
             return  # filesystems without fallocate: LMDB faults the pages in itself
-        _populate_write(data_file, start, length)
+        if nbytes >= 64 * _MIB:
+            _populate_write(data_file, start, length)
+
+    def _full(self, nbytes: int) -> StoreFullError:
+        try:
+            st = os.statvfs(self.path)
+            room = f"; the filesystem has {st.f_bavail * st.f_frsize} bytes free"
+        except OSError:
+            room = ""
+        return StoreFullError(
+            f"no space left for {nbytes} more bytes in the LMDB store at {self.path}{room}. "
+            "Nothing committed was touched. Delete old checkpoints (`kvckpt gc URL "
+            "--keep-last N`, or keep_last= on the writer), or put the store on a bigger "
+            "filesystem."
+        )
 
     def _write(self, apply: Any, nbytes: int) -> Any:
         """Run ``apply(txn)`` in one write transaction, growing the map until it fits."""
@@ -320,7 +337,22 @@ class LMDBEngine(Engine):
                 except lmdb.MapResizedError:
                     # Another process grew the map: adopt its size and retry.
                     shared.set_mapsize(0)
+                except lmdb.Error as e:
+                    # Without writemap a full filesystem surfaces as an I/O error at commit;
+                    # the transaction is aborted, so the store is as it was.
+                    if self._nearly_full(nbytes):
+                        raise self._full(nbytes) from None
+                    raise StoreUnavailableError(
+                        f"writing to the LMDB store at {self.path} failed: {e}"
+                    ) from e
             raise StoreUnavailableError(f"LMDB map at {self.path} could not grow enough")
+
+    def _nearly_full(self, nbytes: int) -> bool:
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize < nbytes + nbytes // 16 + _MIB
 
     @contextmanager
     def _read_txn(self) -> Iterator[lmdb.Transaction]:

@@ -23,7 +23,13 @@ from typing import Any, TypeVar
 
 import redis
 
-from ..errors import InvalidURLError, StoreFullError, StoreUnavailableError, UnsafeStoreError
+from ..errors import (
+    InvalidURLError,
+    ReadOnlyStoreError,
+    StoreFullError,
+    StoreUnavailableError,
+    UnsafeStoreError,
+)
 from ..urls import (
     DEFAULT_PREFIX,
     mask_url,
@@ -59,6 +65,11 @@ def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
                 f"Redis at {self.address} refused the credentials in {self.url}: {e}. Check the "
                 "user and password in the URL (redis://user:password@host:port/db)."
             ) from None
+        except redis.ReadOnlyError:
+            raise ReadOnlyStoreError(
+                f"Redis at {self.address} ({self.url}) is a read-only replica: save, delete and "
+                "gc through its primary"
+            ) from None
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise StoreUnavailableError(
                 f"cannot reach Redis at {self.address} ({self.url}): {str(e).rstrip('.')}. "
@@ -72,7 +83,10 @@ class RedisEngine(Engine):
     """``redis://[user:password@]host[:port][/db]``, ``rediss://...`` (TLS), ``unix:///path.sock``.
 
     kvckpt's own query options: ``prefix`` (key namespace), ``part_bytes`` (largest value per
-    key, default 64MiB, at most 512MiB) and ``pipeline_bytes`` (bytes per pipelined batch).
+    key, default 4MiB, at most 512MiB), ``pipeline_bytes`` (bytes per pipelined batch),
+    ``allow_eviction`` (accept an evicting ``maxmemory-policy``), ``wait_replicas`` and
+    ``wait_timeout`` (a save's data and its commit count only once that many replicas have
+    acknowledged them, ``WAIT``; default 0 replicas, 10 s).
     Every other query option goes to redis-py (``ssl_ca_certs``, ``socket_timeout``, ...).
     """
 
@@ -90,6 +104,8 @@ class RedisEngine(Engine):
         pipeline_bytes: int = 256 * _MIB,
         redis_url: str | None = None,
         allow_eviction: bool = False,
+        wait_replicas: int = 0,
+        wait_timeout: float = 10.0,
     ) -> None:
         if not 1 <= part_bytes <= REDIS_MAX_VALUE:
             raise InvalidURLError(
@@ -102,6 +118,12 @@ class RedisEngine(Engine):
         self.max_value_bytes = part_bytes
         self.pipeline_bytes = pipeline_bytes
         self.allow_eviction = allow_eviction
+        if wait_replicas < 0 or wait_timeout <= 0:
+            raise InvalidURLError(
+                f"wait_replicas must be >= 0 and wait_timeout > 0 seconds in {mask_url(url)}"
+            )
+        self.wait_replicas = wait_replicas
+        self.wait_timeout = wait_timeout
         self._client_obj: redis.Redis | None = None
         parts = split_options(self._redis_url)[0]
         if parts.scheme == "unix":
@@ -122,12 +144,7 @@ class RedisEngine(Engine):
             _ = parts.port
         except ValueError:
             raise InvalidURLError(f"Redis URL {mask_url(url)} has an invalid port") from None
-        ours = dict(
-            prefix=take_option(opts, "prefix", url, validate_prefix, DEFAULT_PREFIX),
-            part_bytes=take_option(opts, "part_bytes", url, parse_size, 4 * _MIB),
-            pipeline_bytes=take_option(opts, "pipeline_bytes", url, parse_size, 256 * _MIB),
-            allow_eviction=take_option(opts, "allow_eviction", url, parse_bool, False),
-        )
+        ours = take_redis_options(opts, url)
         opts.setdefault("socket_connect_timeout", "10")
         opts.setdefault("socket_timeout", "300")
         query = "&".join(f"{k}={v}" for k, v in opts.items())
@@ -152,6 +169,8 @@ class RedisEngine(Engine):
                 self.max_value_bytes,
                 self.pipeline_bytes,
                 self.allow_eviction,
+                self.wait_replicas,
+                self.wait_timeout,
             ),
         )
 
@@ -338,6 +357,30 @@ class RedisEngine(Engine):
             sizes += [n if e else None for e, n in zip(replies[::2], replies[1::2], strict=True)]
         return sizes
 
+    def sync_replicas(self) -> None:
+        self.wait_for_replicas(f"{{{self._prefix}}}/sync")
+
+    @_translate_errors
+    def wait_for_replicas(self, scratch_key: str) -> None:
+        """``WAIT`` for ``wait_replicas`` replicas, after a write to ``scratch_key``.
+
+        WAIT counts acknowledgements of *this connection's* writes. The replication stream is
+        one ordered log, so a tiny write made now, once acknowledged, proves that every write
+        made before it, on any connection, has reached the replica too.
+        """
+        if not self.wait_replicas:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(scratch_key, str(time.time()))
+        pipe.execute_command("WAIT", self.wait_replicas, int(self.wait_timeout * 1000))
+        acked = int(pipe.execute()[1])
+        if acked < self.wait_replicas:
+            raise StoreUnavailableError(
+                f"only {acked} of the {self.wait_replicas} replicas asked for (wait_replicas) "
+                f"acknowledged the writes to {self.url} within {self.wait_timeout:g} s. Check "
+                "`INFO replication` on the primary, or lower wait_replicas / raise wait_timeout."
+            )
+
     @_translate_errors
     def session_id(self) -> str | None:
         return str(self._client.info("server").get("run_id"))
@@ -380,6 +423,19 @@ class RedisEngine(Engine):
     def info(self, section: str | None = None) -> dict[str, Any]:
         """The server's INFO (memory, policy) for preflight checks and diagnostics."""
         return self._client.info(section) if section else self._client.info()
+
+
+def take_redis_options(opts: dict[str, str], url: str) -> dict[str, Any]:
+    """kvckpt's own query options of a Redis URL (removed from ``opts``; the rest are
+    redis-py's), as keyword arguments of the engines."""
+    return dict(
+        prefix=take_option(opts, "prefix", url, validate_prefix, DEFAULT_PREFIX),
+        part_bytes=take_option(opts, "part_bytes", url, parse_size, 4 * _MIB),
+        pipeline_bytes=take_option(opts, "pipeline_bytes", url, parse_size, 256 * _MIB),
+        allow_eviction=take_option(opts, "allow_eviction", url, parse_bool, False),
+        wait_replicas=take_option(opts, "wait_replicas", url, int, 0),
+        wait_timeout=take_option(opts, "wait_timeout", url, float, 10.0),
+    )
 
 
 def _pack_gets(keys: Sequence[str]) -> bytearray:
@@ -502,6 +558,8 @@ def _rebuild(
     part_bytes: int,
     pipeline_bytes: int,
     allow_eviction: bool,
+    wait_replicas: int = 0,
+    wait_timeout: float = 10.0,
 ) -> RedisEngine:
     return RedisEngine(
         raw_url,
@@ -510,4 +568,6 @@ def _rebuild(
         part_bytes=part_bytes,
         pipeline_bytes=pipeline_bytes,
         allow_eviction=allow_eviction,
+        wait_replicas=wait_replicas,
+        wait_timeout=wait_timeout,
     )

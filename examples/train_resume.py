@@ -1,0 +1,266 @@
+"""Fault-tolerant training with kvckpt: a rank dies, the job restarts, training goes on.
+
+A small MLP (with dropout, so the RNG state matters) is trained with DDP on synthetic data;
+every ``--every`` steps the model, the optimizer, the step (which is also the data position:
+the batch of step s is a pure function of s and the rank) and each rank's RNG state are saved
+with ``dcp.async_save``. On start, the job restores the newest checkpoint, if any.
+
+    # 2 ranks, checkpoints in node-local LMDB, copied to Redis in the background;
+    # torchrun restarts the job once when a rank dies
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/train_resume.py \\
+        --store lmdb:///dev/shm/kvckpt-demo --store redis://localhost:6379 \\
+        --steps 40 --every 5 --kill-at-step 23 --kill-rank 1
+
+``--store`` takes kvckpt URLs (the first is written synchronously; later ones get background
+copies, see ``kvckpt.Tiers``) or ``dcp:DIR`` for DCP's own ``FileSystemWriter`` (the baseline
+the benchmark compares against). ``--events`` receives one JSON line per event from rank 0: each
+step's loss (as ``float.hex``, for bit-exact comparison), each resume (from which checkpoint
+and tier, and how long from process start to the first step after it) and each save's
+blocking time.
+"""
+
+from __future__ import annotations
+
+import time
+
+PROCESS_START = time.time()  # before the imports: torch's import is part of a restart's cost
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+import kvckpt  # noqa: E402
+
+warnings.filterwarnings("ignore", category=UserWarning)
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+PG: Any = None  # the checkpointing process group
+
+
+def model_for(width: int, layers: int) -> nn.Module:
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, 4 * width), nn.GELU(), nn.Dropout(0.1)]
+        blocks += [nn.Linear(4 * width, width), nn.LayerNorm(width)]
+    return nn.Sequential(*blocks, nn.Linear(width, 1))
+
+
+def batch(step: int, rank: int, width: int, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data of one step: a pure function of (step, rank), so the step is the data position."""
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+    x = torch.randn(size, width, generator=g)
+    y = torch.sin(x[:, :1] * 3) + x[:, 1:2] * x[:, 2:3]
+    return x, y
+
+
+class DirectoryStore:
+    """DCP's FileSystemWriter/Reader on a directory: the baseline, same call shape."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def async_save(self, state: dict[str, Any], checkpoint_id: str) -> Any:
+        path = self.path / checkpoint_id
+        return dcp.async_save(
+            state, storage_writer=dcp.FileSystemWriter(path), checkpoint_id=path, process_group=PG
+        )
+
+    def latest(self) -> tuple[str, str] | None:
+        done = [p for p in self.path.glob("step-*") if (p / ".metadata").exists()]
+        if not done:
+            return None
+        newest = max(done, key=lambda p: int(p.name.split("-")[1]))
+        return newest.name, str(newest)
+
+    def load(self, state: dict[str, Any], found: tuple[str, str]) -> None:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(found[1]))
+
+    def wait(self) -> None:
+        pass
+
+
+class KVStore:
+    """kvckpt through ``Tiers`` (one store, or several with background copies)."""
+
+    def __init__(self, urls: list[str], durable: str | None, durable_every: int) -> None:
+        self.tiers = kvckpt.Tiers(urls, durable=durable, durable_every=durable_every, keep_last=2)
+
+    def recover(self) -> None:
+        # Saves that a killed writer left half-done: drop them and free their write leases,
+        # so this run can save the same step ids again. Nobody else writes in this namespace.
+        for engine in self.tiers.engines:
+            try:
+                kvckpt.gc(engine, incomplete_older_than=0, scan_orphans=False)
+            except kvckpt.StoreUnavailableError as e:
+                print(f"[resume] skipping cleanup of {engine.url}: {e}", flush=True)
+
+    def async_save(self, state: dict[str, Any], checkpoint_id: str) -> Any:
+        return dcp.async_save(
+            state, storage_writer=self.tiers.writer(), checkpoint_id=checkpoint_id, process_group=PG
+        )
+
+    def latest(self) -> kvckpt.Restore | None:
+        return self.tiers.latest()
+
+    def load(self, state: dict[str, Any], found: kvckpt.Restore) -> None:
+        dcp.load(state, storage_reader=self.tiers.reader(found))
+
+    def wait(self) -> None:
+        self.tiers.wait()
+
+
+def init_distributed() -> None:
+    """``init_process_group`` under a store prefix of its own per restart: torchrun keeps one
+    rendezvous store across restarts, and gloo would otherwise read the addresses the killed
+    attempt's ranks published there and fail to connect."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0 and not agent_store,
+    )
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore(f"attempt-{attempt}", store), rank=rank, world_size=world
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--store", action="append", required=True, help="URL, repeatable; or dcp:DIR")
+    ap.add_argument("--durable", help="directory for every --durable-every-th checkpoint")
+    ap.add_argument("--durable-every", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--every", type=int, default=5, help="checkpoint every N steps")
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--kill-at-step", type=int, help="SIGKILL --kill-rank at this step (1st run)")
+    ap.add_argument("--kill-rank", type=int, default=1)
+    ap.add_argument(
+        "--wipe-on-restart",
+        help="a directory to delete before restoring after a "
+        "restart: the node-local store of a replaced node",
+    )
+    ap.add_argument("--events", help="a file for JSON lines from rank 0")
+    args = ap.parse_args()
+
+    init_distributed()
+    # The saves' collectives run in a background thread while training's all-reduces run in
+    # this one: they need a process group of their own, or the two interleave and hang.
+    global PG
+    PG = dist.new_group(backend="gloo")
+    rank = dist.get_rank()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    log_file = open(args.events, "a") if args.events and rank == 0 else None  # noqa: SIM115
+
+    def log(**event: Any) -> None:
+        if log_file is not None:
+            log_file.write(json.dumps({"attempt": attempt, **event}) + "\n")
+            log_file.flush()
+
+    if attempt > 0 and args.wipe_on_restart and rank == 0:
+        shutil.rmtree(args.wipe_on_restart, ignore_errors=True)
+    dist.barrier()
+
+    if args.store[0].startswith("dcp:"):
+        store: DirectoryStore | KVStore = DirectoryStore(args.store[0][4:])
+    else:
+        store = KVStore(args.store, args.durable, args.durable_every)
+        if rank == 0:
+            store.recover()
+        dist.barrier()
+
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = DistributedDataParallel(model_for(args.width, args.layers))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(1 + rank)  # each rank's own dropout stream
+
+    def state() -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(model, optim)
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            "step": torch.tensor(step),
+            "rng": {f"rank{rank}": torch.get_rng_state()},
+        }
+
+    step = 0
+    found = store.latest()
+    if found is not None:
+        restore_start = time.time()
+        sd = state()
+        load_start = time.time()
+        store.load(sd, found)
+        load_seconds = time.time() - load_start
+        set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        torch.set_rng_state(sd["rng"][f"rank{rank}"])
+        step = int(sd["step"])
+        restore_seconds = time.time() - restore_start
+    else:
+        restore_seconds = load_seconds = None
+
+    pending = None
+    first_step = True
+    while step < args.steps:
+        if attempt == 0 and step == args.kill_at_step and rank == args.kill_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch(step, rank, args.width)
+        loss = nn.functional.mse_loss(model(x), y)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        step += 1
+        log(event="loss", step=step, loss=loss.item().hex())
+        if first_step:
+            first_step = False
+            if found is not None:
+                name = found[0] if isinstance(found, tuple) else found.checkpoint_id
+                source = found[1] if isinstance(found, tuple) else found.source
+                log(
+                    event="resume",
+                    checkpoint=name,
+                    source=source,
+                    tier=getattr(found, "tier", None),
+                    restore_seconds=restore_seconds,
+                    load_seconds=load_seconds,
+                    seconds_to_first_step=time.time() - PROCESS_START,
+                )
+                print(f"[rank {rank}] resumed from {name} ({source})", flush=True)
+        if step % args.every == 0:
+            started = time.perf_counter()
+            if pending is not None:
+                pending.result()  # one save in flight at a time
+            waited = time.perf_counter() - started
+            pending = store.async_save(state(), f"step-{step}")
+            log(
+                event="save",
+                step=step,
+                blocking_seconds=time.perf_counter() - started,
+                waiting_for_previous_seconds=waited,
+            )
+    if pending is not None:
+        pending.result()
+    store.wait()  # background copies to slower tiers, before the job exits
+    log(event="done", step=step)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    os._exit(0)  # torch 2.13's gloo can abort in a static destructor at interpreter exit

@@ -1,0 +1,459 @@
+"""Tiers: save to the fastest store, copy to slower ones in the background, restore from the
+fastest store that holds the newest checkpoint.
+
+The usual shape is node-local LMDB on ``/dev/shm`` first (a save returns once it commits
+there), a shared Redis second (survives the loss of a node), and optionally a durable DCP
+directory that every k-th checkpoint is exported to (survives the loss of Redis)::
+
+    tiers = kvckpt.Tiers(["lmdb:///dev/shm/ckpt", "redis://ckpt-redis:6379"],
+                         durable="/mnt/ckpt", durable_every=10, keep_last=2)
+    step = tiers.restore(state_dict)            # None on a fresh start
+    ...
+    dcp.async_save(state_dict, storage_writer=tiers.writer(), checkpoint_id=f"step-{step}")
+    ...
+    tiers.wait()                                # before the job exits
+
+How a copy stays correct across nodes: every tier stores byte-identical keys (one part size,
+the smallest any tier allows, and one save id), so one metadata value describes the checkpoint
+in every tier. During a save, the coordinator registers the save as pending in each replica tier
+before any rank writes (DCP's global plan step); each rank then copies *its own* keys from its
+local tier in a background thread; the coordinator's background thread waits until every key
+is in the replica and only then commits the same metadata there. A replica therefore never
+shows a checkpoint that is not whole, and a rank never needs another node's local store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageReader, WriteResult
+from torch.futures import Future as TorchFuture
+
+from .catalog import hold_read_lease, mark_pending, publish
+from .engines.base import Engine
+from .errors import KVCheckpointError, ReplicationError
+from .format import ItemLocation, part_ranges
+from .manage import NEVER, gc, list_checkpoints
+from .storage import KVStorageReader, KVStorageWriter, _PlanData
+from .transfer import DirectoryReader, export_checkpoint
+from .urls import open_store
+
+logger = logging.getLogger(__name__)
+
+_COPY_BATCH = 64 << 20
+#: written into each durable checkpoint directory: the time the checkpoint was taken
+DURABLE_INFO = "kvckpt.json"
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Where a restart's checkpoint comes from: ``tier`` indexes ``Tiers.stores``;
+    ``len(stores)`` means the durable directory."""
+
+    checkpoint_id: str
+    tier: int
+    source: str  #: the store URL (password masked) or the directory
+    created_at: float
+
+
+class Tiers:
+    """An ordered list of checkpoint stores, fastest first, plus an optional durable directory.
+
+    Args:
+        stores: store URLs or engines, fastest first. The first takes every save
+            synchronously; each further one gets a background copy of every checkpoint.
+        durable: a directory; every ``durable_every``-th checkpoint is exported there as a
+            standard DCP checkpoint (``<durable>/<checkpoint id>/``), from the slowest store.
+        keep_last: retention applied to every store (not to ``durable``).
+        replicate_timeout: seconds the coordinator waits for every rank's keys to reach a
+            replica before giving up on that copy (a rank that died mid-copy).
+        writer_options: passed to each ``KVStorageWriter`` (``checksums``, ``lease``, ...).
+            Checksums default to on if any store records them by default.
+    """
+
+    def __init__(
+        self,
+        stores: Sequence[str | Engine],
+        *,
+        durable: str | os.PathLike | None = None,
+        durable_every: int = 1,
+        keep_last: int | None = None,
+        replicate_timeout: float = 600.0,
+        **writer_options: Any,
+    ) -> None:
+        if not stores:
+            raise ValueError("Tiers needs at least one store")
+        if durable_every < 1:
+            raise ValueError(f"durable_every must be >= 1, not {durable_every}")
+        self.engines = [open_store(s) for s in stores]
+        self.durable = None if durable is None else Path(durable).absolute()
+        self.durable_every = durable_every
+        self.keep_last = keep_last
+        self.replicate_timeout = replicate_timeout
+        if writer_options.get("checksums") is None:
+            writer_options["checksums"] = any(e.checksums_by_default for e in self.engines)
+        self.writer_options = writer_options
+        self.part_bytes = min(int(e.max_value_bytes) for e in self.engines)
+        # One thread, so each rank's copies run in save order and a commit job queued after
+        # this rank's copy job of the same save runs after it.
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvckpt-tiers")
+        self._lock = threading.Lock()
+        self._jobs: list[Future[None]] = []
+        self._errors: list[BaseException] = []
+        self._commits = 0
+        self._failed: set[str] = set()  # saves whose copy failed in this process
+
+    @property
+    def stores(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    def __repr__(self) -> str:
+        return f"Tiers({self.stores}, durable={self.durable})"
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def writer(self, **options: Any) -> TieredStorageWriter:
+        """A DCP ``StorageWriter`` for one save (``dcp.save`` / ``dcp.async_save``)."""
+        return TieredStorageWriter(self, **{**self.writer_options, **options})
+
+    def _submit(self, job: Any, *args: Any, checkpoint_id: str, save_id: str) -> None:
+        """Queue a background job on a save. A read lease on the first tier, taken now and
+        released when the job ends, keeps the save's data there from retention meanwhile."""
+        token = os.urandom(8).hex()
+        hold_read_lease(self.engines[0], checkpoint_id, token, self.replicate_timeout)
+
+        def run() -> None:
+            try:
+                job(checkpoint_id, save_id, *args)
+            except BaseException as e:
+                logger.error("kvckpt tiers: %s", e)
+                with self._lock:
+                    self._errors.append(e)
+                    self._failed.add(save_id)  # a later job on this save need not wait for it
+            finally:
+                hold_read_lease(self.engines[0], checkpoint_id, token, None)
+
+        with self._lock:
+            self._jobs = [j for j in self._jobs if not j.done()]
+            self._jobs.append(self._pool.submit(run))
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every background copy queued so far is done; raise the first error
+        any of them met (``ReplicationError``), once."""
+        with self._lock:
+            jobs = list(self._jobs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for job in jobs:
+            job.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise ReplicationError(
+                f"{len(errors)} background cop{'y' if len(errors) == 1 else 'ies'} failed; "
+                f"the first: {errors[0]}"
+            ) from errors[0]
+
+    def close(self) -> None:
+        """Wait for the background copies, then stop the thread."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def _register(self, checkpoint_id: str, save_id: str, lease: float) -> tuple[int, ...]:
+        """Register a save as pending in every replica (before any rank writes); the tiers that
+        could not take it (unreachable, locked) are left out of this save's copy."""
+        ok = []
+        for i, engine in enumerate(self.engines[1:], 1):
+            try:
+                mark_pending(engine, checkpoint_id, save_id, None, lease)
+                ok.append(i)
+            except KVCheckpointError as e:
+                # The save goes on in the fast tier; ``wait()`` reports the missing copy.
+                logger.warning(
+                    "checkpoint %r will not be copied to %s: %s", checkpoint_id, engine.url, e
+                )
+                with self._lock:
+                    self._errors.append(
+                        ReplicationError(f"checkpoint {checkpoint_id!r} not copied: {e}")
+                    )
+        return tuple(ok)
+
+    def _copy_keys(
+        self,
+        checkpoint_id: str,
+        save_id: str,
+        tiers: tuple[int, ...],
+        locations: list[ItemLocation],
+    ) -> None:
+        """Copy one rank's values of a save from the first tier to ``tiers``."""
+        src = self.engines[0]
+        # (source key, destination keys by tier, size) of every part
+        parts: list[tuple[str, list[str], int]] = []
+        for loc in locations:
+            src_keys = loc.keys(src.prefix, checkpoint_id, save_id)
+            dst_keys = [loc.keys(self.engines[i].prefix, checkpoint_id, save_id) for i in tiers]
+            for p, (a, b) in enumerate(part_ranges(loc.nbytes, loc.part_bytes)):
+                parts.append((src_keys[p], [keys[p] for keys in dst_keys], b - a))
+        start = 0
+        while start < len(parts):
+            stop, size = start, 0
+            while stop < len(parts) and (stop == start or size + parts[stop][2] <= _COPY_BATCH):
+                size += parts[stop][2]
+                stop += 1
+            batch = parts[start:stop]
+            buffer = memoryview(bytearray(size))
+            views, offset = [], 0
+            for _, _, n in batch:
+                views.append(buffer[offset : offset + n])
+                offset += n
+            src_keys = [k for k, _, _ in batch]
+            got = src.get_into(src_keys, views)
+            for key, view, n in zip(src_keys, views, got, strict=True):
+                if n != view.nbytes:
+                    raise ReplicationError(
+                        f"copying checkpoint {checkpoint_id!r}: {key!r} in {src.url} holds "
+                        f"{n} bytes, expected {view.nbytes} (deleted meanwhile?)"
+                    )
+            for t, i in enumerate(tiers):
+                self.engines[i].put_many(
+                    (dst_keys[t], view) for (_, dst_keys, _), view in zip(batch, views, strict=True)
+                )
+            start = stop
+        for i in tiers:
+            self.engines[i].sync_replicas()
+
+    def _commit_copies(
+        self,
+        checkpoint_id: str,
+        save_id: str,
+        tiers: tuple[int, ...],
+        metadata: Metadata,
+        locations: dict[MetadataIndex, ItemLocation],
+        world_size: int,
+        created_at: float,
+    ) -> None:
+        """On the coordinator: commit the save in each replica once every rank's keys are
+        there; then export it to the durable directory if this one is due."""
+        self._commits += 1
+        source = self.engines[0]
+        failures: list[str] = []
+        for i in tiers:
+            dst = self.engines[i]
+            try:
+                if save_id in self._failed:
+                    raise ReplicationError("this process's copy of its own keys failed (see above)")
+                self._await_keys(dst, checkpoint_id, save_id, locations)
+                publish(
+                    dst,
+                    metadata,
+                    locations,
+                    checkpoint_id=checkpoint_id,
+                    save_id=save_id,
+                    world_size=world_size,
+                    created_at=created_at,
+                )
+                dst.sync_replicas()
+                if self.keep_last is not None:
+                    gc(
+                        dst,
+                        keep_last=self.keep_last,
+                        protect=[checkpoint_id],
+                        incomplete_older_than=NEVER,
+                        scan_orphans=False,
+                    )
+                source = dst
+            except KVCheckpointError as e:
+                failures.append(f"{dst.url}: {e}")
+        if self.durable is not None and self._commits % self.durable_every == 0:
+            self._export(source, checkpoint_id, created_at)
+        if failures:
+            raise ReplicationError(
+                f"checkpoint {checkpoint_id!r} is committed in {self.engines[0].url} but not "
+                f"in {'; '.join(failures)}"
+            )
+
+    def _await_keys(
+        self,
+        dst: Engine,
+        checkpoint_id: str,
+        save_id: str,
+        locations: dict[MetadataIndex, ItemLocation],
+    ) -> None:
+        want = [
+            (key, b - a)
+            for loc in locations.values()
+            for key, (a, b) in zip(
+                loc.keys(dst.prefix, checkpoint_id, save_id),
+                part_ranges(loc.nbytes, loc.part_bytes),
+                strict=True,
+            )
+        ]
+        deadline = time.monotonic() + self.replicate_timeout
+        pause = 0.02
+        while True:
+            sizes = dst.value_sizes([k for k, _ in want])
+            want = [(k, n) for (k, n), got in zip(want, sizes, strict=True) if got != n]
+            if not want:
+                return
+            if time.monotonic() > deadline:
+                raise ReplicationError(
+                    f"{len(want)} values of checkpoint {checkpoint_id!r} never reached "
+                    f"{dst.url} within {self.replicate_timeout:g} s (e.g. {want[0][0]!r}); did "
+                    "a rank die before its copy finished?"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 1.0)
+
+    def _export(self, source: Engine, checkpoint_id: str, created_at: float) -> None:
+        assert self.durable is not None
+        self.durable.mkdir(parents=True, exist_ok=True)
+        final = self.durable / checkpoint_id
+        tmp = self.durable / f".{checkpoint_id}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        export_checkpoint(source, checkpoint_id, tmp)
+        (tmp / DURABLE_INFO).write_text(
+            json.dumps({"checkpoint_id": checkpoint_id, "created_at": created_at})
+        )
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # a directory appears whole or not at all
+
+    # -- restoring ----------------------------------------------------------------------------
+
+    def latest(self) -> Restore | None:
+        """The newest complete checkpoint in any tier, from the fastest tier that holds it.
+
+        Collective when ``torch.distributed`` is initialised: rank 0 chooses and every rank
+        gets the same answer. A store that is not shared (LMDB) is used only when every rank
+        runs on one host: in a multi-node job each node's local store holds only its own ranks'
+        data, so the shared tiers serve the restore.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            return self._choose(single_host=True)
+        hosts: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname())
+        choice = [self._choose(len(set(hosts)) == 1) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(choice, src=0)
+        return choice[0]
+
+    def _choose(self, single_host: bool) -> Restore | None:
+        found: list[Restore] = []
+        for i, engine in enumerate(self.engines):
+            if not (engine.shared or single_host):
+                continue
+            try:
+                infos = list_checkpoints(engine)
+            except KVCheckpointError as e:
+                logger.warning("restore skips %s: %s", engine.url, e)
+                continue
+            found += [
+                Restore(info.checkpoint_id, i, engine.url, info.created_at)
+                for info in infos
+                if info.complete and not info.rank_local
+            ]
+        if self.durable is not None and self.durable.is_dir():
+            for path in self.durable.iterdir():
+                if path.name.startswith(".") or not (path / ".metadata").is_file():
+                    continue
+                found.append(Restore(path.name, len(self.engines), str(path), _durable_time(path)))
+        if not found:
+            return None
+        newest = max(found, key=lambda r: r.created_at)
+        return min(
+            (r for r in found if r.checkpoint_id == newest.checkpoint_id), key=lambda r: r.tier
+        )
+
+    def reader(self, choice: Restore, **options: Any) -> StorageReader:
+        """The DCP ``StorageReader`` for a choice of ``latest()``."""
+        if choice.tier < len(self.engines):
+            return KVStorageReader(
+                self.engines[choice.tier], checkpoint_id=choice.checkpoint_id, **options
+            )
+        return DirectoryReader(choice.source, **options)
+
+    def restore(self, state_dict: dict[str, Any], **load_options: Any) -> Restore | None:
+        """Load the newest checkpoint into ``state_dict`` in place (``dcp.load``); returns what
+        was loaded, or None when no tier holds a checkpoint (a fresh start)."""
+        choice = self.latest()
+        if choice is None:
+            return None
+        dcp.load(state_dict, storage_reader=self.reader(choice), **load_options)
+        return choice
+
+
+def _durable_time(path: Path) -> float:
+    try:
+        info = json.loads((path / DURABLE_INFO).read_text())
+        return float(info["created_at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return (path / ".metadata").stat().st_mtime
+
+
+class TieredStorageWriter(KVStorageWriter):
+    """A ``KVStorageWriter`` on the first tier that queues copies to the others (``Tiers``)."""
+
+    def __init__(self, tiers: Tiers, **options: Any) -> None:
+        super().__init__(tiers.engines[0], keep_last=tiers.keep_last, **options)
+        self.tiers = tiers
+        self.part_bytes = tiers.part_bytes
+        self._replicas: tuple[int, ...] = ()
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        plans = super().prepare_global_plan(plans)
+        if not self.use_collectives or len(self.tiers.engines) == 1:
+            return plans
+        self._replicas = self.tiers._register(self._require_id(), self.save_id, self.lease)
+        return [
+            dataclasses.replace(
+                plan, storage_data=dataclasses.replace(plan.storage_data, replicas=self._replicas)
+            )
+            for plan in plans
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
+        fut = super().write_data(plan, planner)
+        where: _PlanData = plan.storage_data
+        if where.replicas:
+            self.tiers._submit(
+                self.tiers._copy_keys,
+                where.replicas,
+                [wr.storage_data for wr in fut.wait()],
+                checkpoint_id=self._require_id(),
+                save_id=where.save_id,
+            )
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        if not self.use_collectives or not (self._replicas or self.tiers.durable is not None):
+            return
+        assert self.committed_at is not None
+        locations = {wr.index: wr.storage_data for rank in results for wr in rank}
+        world_size = dist.get_world_size() if dist.is_initialized() else max(len(results), 1)
+        self.tiers._submit(
+            self.tiers._commit_copies,
+            self._replicas,
+            metadata,
+            locations,
+            world_size,
+            self.committed_at,
+            checkpoint_id=self._require_id(),
+            save_id=self.save_id,
+        )

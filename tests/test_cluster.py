@@ -1,0 +1,193 @@
+"""Redis Cluster: a real cluster of redis-server processes made by the test
+(``redis-cli --cluster create``); saves from 2 ranks, loads at 1 and 3, management across all
+primaries, and a primary killed mid-save and after a commit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+from kvckpt import (
+    KVStorageReader,
+    KVStorageWriter,
+    delete_checkpoint,
+    gc,
+    latest_checkpoint,
+    list_checkpoints,
+    open_store,
+)
+from kvckpt.catalog import index_key, lease_key
+from kvckpt.format import data_prefix, meta_key
+from kvckpt.testing import RedisClusterProcesses
+from kvckpt.transfer import verify
+from tests import _dist
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcesses]:
+    c = RedisClusterProcesses(tmp_path_factory.mktemp("cluster"), masters=3)
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def url(cluster: RedisClusterProcesses) -> str:
+    for server in cluster.servers:
+        client = server.client()
+        client.flushall()
+        client.close()
+    return cluster.url(part_bytes="64KiB")
+
+
+def keys_per_node(cluster: RedisClusterProcesses, prefix: str) -> list[int]:
+    counts = []
+    for server in cluster.primaries():
+        client = server.client()
+        counts.append(sum(1 for _ in client.scan_iter(match=prefix + "*", count=1000)))
+        client.close()
+    return counts
+
+
+def sd(value: float, n: int = 16) -> dict[str, torch.Tensor]:
+    return {f"t{i}": torch.full((1 << 16,), value + i) for i in range(n)}  # 256 KiB each
+
+
+def test_two_ranks_save_load_at_1_and_3(url: str, cluster: RedisClusterProcesses) -> None:
+    mp.spawn(_dist.save_worker, args=(2, free_port(), url, "resharded"), nprocs=2, join=True)
+    _dist.load_single_process(url, "resharded")
+    mp.spawn(_dist.load_worker, args=(3, free_port(), url, "resharded"), nprocs=3, join=True)
+    # Every primary carries a share of the data keys.
+    assert all(n > 0 for n in keys_per_node(cluster, data_prefix("kvckpt")))
+
+
+def test_bookkeeping_keys_share_a_slot_and_data_spreads(
+    url: str, cluster: RedisClusterProcesses
+) -> None:
+    engine = open_store(url)
+    client = cluster.servers[0].client()
+    slots = {
+        client.cluster("keyslot", k)
+        for k in (index_key("kvckpt"), meta_key("kvckpt", "a"), lease_key("kvckpt", "b"))
+    }
+    assert len(slots) == 1
+    dcp.save(sd(1.0, 64), storage_writer=KVStorageWriter(engine), checkpoint_id="a")
+    counts = keys_per_node(cluster, data_prefix("kvckpt"))
+    assert len(counts) == 3 and min(counts) > 0.15 * sum(counts), counts
+
+
+def test_list_delete_gc_verify_across_primaries(url: str, cluster: RedisClusterProcesses) -> None:
+    for step in range(3):
+        dcp.save(sd(float(step)), storage_writer=KVStorageWriter(url), checkpoint_id=f"s{step}")
+    assert [i.checkpoint_id for i in list_checkpoints(url)] == ["s2", "s1", "s0"]
+    report = verify(url, "s1")
+    assert report.ok and report.keys >= 16
+    report = gc(url, keep_last=2)
+    assert report.deleted_checkpoints == ["s0"]
+    assert delete_checkpoint(url, "s1") > 0
+    assert latest_checkpoint(url) == "s2"
+    engine = open_store(url)
+    # Only s2's data is left, on every primary.
+    left = {k.split("/")[2] for k in engine.scan(data_prefix(engine.prefix))}
+    assert left == {"s2"}
+    out = sd(0.0)
+    dcp.load(out, storage_reader=KVStorageReader(url, checkpoint_id="s2"))
+    assert all(torch.equal(out[k], v) for k, v in sd(2.0).items())
+
+
+@pytest.fixture
+def ha_cluster(tmp_path: Path) -> Iterator[RedisClusterProcesses]:
+    c = RedisClusterProcesses(tmp_path / "ha", masters=3, replicas=1, node_timeout_ms=1000)
+    yield c
+    c.stop()
+
+
+def kill(server) -> None:
+    server.proc.kill()
+    server.proc.wait()
+
+
+def test_primary_killed_after_commit_loads_from_promoted_replica(
+    ha_cluster: RedisClusterProcesses,
+) -> None:
+    url = ha_cluster.url(part_bytes="64KiB", wait_replicas=1)
+    dcp.save(sd(5.0), storage_writer=KVStorageWriter(url), checkpoint_id="safe")
+    victim = ha_cluster.primaries()[0]
+    kill(victim)
+    out = sd(0.0)
+    # The load rides out the failover (topology refreshed, batch sent again).
+    dcp.load(out, storage_reader=KVStorageReader(url, checkpoint_id="safe"))
+    assert all(torch.equal(out[k], v) for k, v in sd(5.0).items())
+    assert latest_checkpoint(url) == "safe"
+
+
+def test_primary_killed_mid_save_is_never_committed(ha_cluster: RedisClusterProcesses) -> None:
+    url = ha_cluster.url(part_bytes="64KiB", wait_replicas=1)
+    dcp.save(sd(1.0), storage_writer=KVStorageWriter(url), checkpoint_id="old")
+    engine = open_store(url)
+    plain = ha_cluster.url(part_bytes="64KiB")  # no WAIT: the commit check is what refuses
+    writer = subprocess.Popen(
+        [sys.executable, "-m", "tests._writer", plain, "big", "64", "4"],  # 256 MiB
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not list(engine.scan(data_prefix(engine.prefix, "big"))):
+        assert writer.poll() is None and time.monotonic() < deadline, writer.stderr.read()
+        time.sleep(0.01)
+    kill(ha_cluster.primaries()[1])
+    _, err = writer.communicate(timeout=120)
+    # Either way no partial checkpoint: the save fails clearly, or (if the failover happened
+    # before anything reached the dead primary) it commits whole.
+    if writer.returncode != 0:
+        # The commit is refused across the change of primaries (or, if the failover took
+        # too long, the cluster was unreachable).
+        assert "failed over" in err or "cannot reach" in err, err[-3000:]
+        assert [i.checkpoint_id for i in list_checkpoints(url)] == ["old"]
+    else:
+        back = {f"t{i}": torch.zeros(4 << 18) for i in range(64)}
+        dcp.load(back, storage_reader=KVStorageReader(url, checkpoint_id="big"))
+        assert all(torch.equal(back[f"t{i}"], torch.full((4 << 18,), float(i))) for i in range(64))
+    old = sd(0.0)
+    dcp.load(old, storage_reader=KVStorageReader(url, checkpoint_id="old"))
+    assert all(torch.equal(old[k], v) for k, v in sd(1.0).items())
+    # The cluster (with a promoted replica) takes the next save.
+    ha_cluster.wait_ok()
+    dcp.save(
+        sd(3.0),
+        storage_writer=KVStorageWriter(plain),
+        checkpoint_id="next",
+    )
+    assert latest_checkpoint(url) == "next"
+
+
+def test_tls_cluster_with_client_certificates(tmp_path: Path) -> None:
+    from tests.test_reliability import make_tls_files
+
+    files = make_tls_files(tmp_path)
+    tls = RedisClusterProcesses(tmp_path / "tls", masters=3, tls=files)
+    try:
+        url = tls.url(part_bytes="64KiB")
+        assert url.startswith("rediss+cluster://")
+        mp.spawn(_dist.save_worker, args=(2, free_port(), url, "tls"), nprocs=2, join=True)
+        _dist.load_single_process(url, "tls")
+        assert [i.checkpoint_id for i in list_checkpoints(url)] == ["tls"]
+        assert verify(url, "tls").ok
+        # Without the CA the server's certificate is refused: a clear error, not a hang.
+        untrusted = url.replace(f"ssl_ca_certs={files['ca.crt']}&", "")
+        with pytest.raises(Exception, match="Redis Cluster"):
+            list_checkpoints(untrusted)
+    finally:
+        tls.stop()

@@ -1,0 +1,164 @@
+"""Tiers against real stores: LMDB first, a real redis-server second, a DCP directory third."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+from kvckpt import (
+    DirectoryReader,
+    KVStorageReader,
+    ReplicationError,
+    Tiers,
+    UnsafeObjectError,
+    latest_checkpoint,
+    list_checkpoints,
+    open_store,
+)
+from kvckpt.catalog import read_index
+from kvckpt.format import data_prefix
+from kvckpt.testing import RedisServer
+from tests import _dist
+from tests.conftest import free_port
+
+
+def sd(value: float) -> dict[str, object]:
+    return {
+        "w": torch.full((1 << 18,), value),  # 1 MiB: several parts at a small part size
+        "b": torch.arange(10, dtype=torch.int64) + int(value),
+        "step": int(value),
+    }
+
+
+def same(a: dict, b: dict) -> bool:
+    return all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
+    )
+
+
+def test_save_copies_to_every_tier_and_restores_from_the_fastest(
+    tmp_path: Path, redis_url: str
+) -> None:
+    local = f"lmdb://{tmp_path / 'node0'}"
+    redis = redis_url + "?part_bytes=256KiB"
+    tiers = Tiers([local, redis], durable=tmp_path / "durable", durable_every=2, keep_last=2)
+    assert tiers.part_bytes == 256 << 10
+    for step in range(4):
+        dcp.save(sd(float(step)), storage_writer=tiers.writer(), checkpoint_id=f"step-{step}")
+    tiers.wait()
+
+    # Both stores hold the same newest checkpoints (keep_last applies to each), under the same
+    # save id and commit time; the durable directory holds every 2nd.
+    for url in (local, redis):
+        assert [i.checkpoint_id for i in list_checkpoints(url)] == ["step-3", "step-2"]
+    assert [i.save_id for i in list_checkpoints(local)] == [
+        i.save_id for i in list_checkpoints(redis)
+    ]
+    assert [i.created_at for i in list_checkpoints(local)] == [
+        i.created_at for i in list_checkpoints(redis)
+    ]
+    assert sorted(p.name for p in (tmp_path / "durable").iterdir()) == ["step-1", "step-3"]
+    # Nothing pending or retired is left behind in the replica.
+    index = read_index(open_store(redis))
+    assert index.pending == {} and index.retired == {}
+
+    # A restart on the same node: the local tier.
+    out = sd(0.0)
+    choice = tiers.restore(out)
+    assert choice is not None and (choice.checkpoint_id, choice.tier) == ("step-3", 0)
+    assert same(out, sd(3.0))
+
+    # The node is replaced: its local store is empty, so the shared Redis serves the restore.
+    fresh = Tiers([f"lmdb://{tmp_path / 'node1'}", redis], durable=tmp_path / "durable")
+    out = sd(0.0)
+    choice = fresh.restore(out)
+    assert choice is not None and (choice.checkpoint_id, choice.tier) == ("step-3", 1)
+    assert same(out, sd(3.0))
+
+    # Redis lost everything too: the durable directory (through the restricted reader).
+    open_store(redis).delete_prefix("")
+    assert latest_checkpoint(redis) is None
+    out = sd(0.0)
+    choice = fresh.restore(out)
+    assert choice is not None and (choice.checkpoint_id, choice.tier) == ("step-3", 2)
+    assert same(out, sd(3.0))
+    tiers.close()
+    fresh.close()
+
+
+def test_nothing_anywhere_is_a_fresh_start(tmp_path: Path, redis_url: str) -> None:
+    tiers = Tiers([f"lmdb://{tmp_path / 'a'}", redis_url], durable=tmp_path / "d")
+    assert tiers.latest() is None and tiers.restore(sd(0.0)) is None
+
+
+def test_unreachable_replica_does_not_fail_the_save(tmp_path: Path) -> None:
+    local = f"lmdb://{tmp_path / 'node'}"
+    down = f"redis://:secret@127.0.0.1:{free_port()}/0?socket_connect_timeout=0.5"
+    tiers = Tiers([local, down])
+    dcp.save(sd(1.0), storage_writer=tiers.writer(), checkpoint_id="step-1")
+    assert latest_checkpoint(local) == "step-1"  # the fast tier committed
+    with pytest.raises(ReplicationError, match="step-1") as info:
+        tiers.wait()
+    assert "secret" not in str(info.value) and "cannot reach Redis" in str(info.value)
+    tiers.wait()  # reported once
+
+
+def test_replica_restarted_mid_copy_never_shows_a_partial_checkpoint(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis")
+    url = server.url(part_bytes="64KiB")
+    local = f"lmdb://{tmp_path / 'node'}"
+    tiers = Tiers([local, url], replicate_timeout=3)
+    big = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(32)}  # 128 MiB
+    dcp.save(big, storage_writer=tiers.writer(), checkpoint_id="step-1")
+    # The copy runs in the background for a few hundred ms more: restart the replica under
+    # it, losing (no persistence) every key copied so far. Depending on where the copy was,
+    # the batch in flight is resent and earlier ones are lost (no commit, an error), or
+    # nothing was acknowledged yet and everything arrives after the restart (a whole commit).
+    server.proc.kill()
+    server.proc.wait()
+    server.start()
+    try:
+        tiers.wait()
+    except ReplicationError as e:
+        assert "never reached" in str(e)
+        assert list_checkpoints(url) == []  # no commit of what did not arrive whole
+    else:
+        out = {k: torch.zeros_like(v) for k, v in big.items()}
+        dcp.load(out, storage_reader=KVStorageReader(url, checkpoint_id="step-1"))
+        assert all(torch.equal(out[k], v) for k, v in big.items())
+    assert latest_checkpoint(local) == "step-1"  # the fast tier is unaffected
+    server.stop()
+
+
+def test_two_ranks_copy_their_own_data(tmp_path: Path, redis_url: str) -> None:
+    local = f"lmdb://{tmp_path / 'node'}"
+    mp.spawn(
+        _dist.tiered_worker,
+        args=(2, free_port(), local, redis_url),
+        nprocs=2,
+        join=True,
+    )
+    # The replica's checkpoint holds both ranks' data and loads at another world size.
+    assert latest_checkpoint(redis_url) == "tiered"
+    _dist.load_single_process(redis_url, "tiered")
+    engine = open_store(redis_url)
+    ranks = {k.split("/")[-3] for k in engine.scan(data_prefix(engine.prefix, "tiered"))}
+    assert ranks == {"0", "1"}
+
+
+def test_directory_reader_refuses_unsafe_objects(tmp_path: Path) -> None:
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    dcp.save({"x": torch.ones(2), "obj": Evil()}, checkpoint_id=tmp_path / "ckpt")
+    with pytest.raises(BaseException, match="weights_only") as info:
+        dcp.load(
+            {"x": torch.zeros(2), "obj": None},
+            storage_reader=DirectoryReader(tmp_path / "ckpt"),
+        )
+    assert "UnsafeObjectError" in str(info.value) or isinstance(info.value, UnsafeObjectError)
