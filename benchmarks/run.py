@@ -462,35 +462,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         check(small, small_dest)
         client.flushall()
 
-        # dcp.async_save: time until the call returns (what training waits for)
-        def blocking(make_writer: Callable[[], Any]) -> list[float]:
-            times = []
-            for _ in range(reps):
-                writer = make_writer()
-                t0 = time.perf_counter()
-                fut = dcp.async_save(sd, storage_writer=writer, checkpoint_id=None)
-                times.append(time.perf_counter() - t0)
-                fut.result()
-            return times
-
+        # dcp.async_save: time until the call returns (what training waits for). The writers
+        # take turns, one repeat each, so that drift in the machine's memory state (page cache,
+        # a growing store on /dev/shm) falls on all of them alike rather than on whichever ran
+        # last; staging is the same code (DCP's BlockingAsyncStager) for every writer.
         async_dirs: list[Path] = []
 
         def fs_writer() -> Any:
-            async_dirs.append(fresh(scratch))
-            return dcp.FileSystemWriter(async_dirs[-1])
+            # the previous save's directory goes, as keep_last=1 frees the kvckpt stores
+            for old in async_dirs:
+                shutil.rmtree(old, ignore_errors=True)
+            async_dirs[:] = [fresh(scratch)]
+            return dcp.FileSystemWriter(async_dirs[0])
 
         async_lmdb = f"lmdb://{fresh(scratch)}"
-        record("async_block_dcp_fs_shm", blocking(fs_writer), size)
-        record(
-            "async_block_kv_lmdb",
-            blocking(lambda: KVStorageWriter(async_lmdb, checkpoint_id=next(ids), keep_last=1)),
-            size,
-        )
-        record(
-            "async_block_kv_redis",
-            blocking(lambda: KVStorageWriter(redis_url, checkpoint_id=next(ids), keep_last=1)),
-            size,
-        )
+        writers: dict[str, Callable[[], Any]] = {
+            "async_block_dcp_fs_shm": fs_writer,
+            "async_block_kv_lmdb": lambda: KVStorageWriter(
+                async_lmdb, checkpoint_id=next(ids), keep_last=1
+            ),
+            "async_block_kv_redis": lambda: KVStorageWriter(
+                redis_url, checkpoint_id=next(ids), keep_last=1
+            ),
+        }
+        blocked: dict[str, list[float]] = {name: [] for name in writers}
+        for _ in range(reps):
+            for name, make_writer in writers.items():
+                writer = make_writer()
+                t0 = time.perf_counter()
+                fut = dcp.async_save(sd, storage_writer=writer, checkpoint_id=None)
+                blocked[name].append(time.perf_counter() - t0)
+                fut.result()
+        for name, times in blocked.items():
+            record(name, times, size)
         client.flushall()
 
         # peak anonymous RSS above the state dict (one run each)
