@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,6 +104,74 @@ def test_list_delete_gc_verify_across_primaries(url: str, cluster: RedisClusterP
     out = sd(0.0)
     dcp.load(out, storage_reader=KVStorageReader(url, checkpoint_id="s2"))
     assert all(torch.equal(out[k], v) for k, v in sd(2.0).items())
+
+
+def _move_all_slots(src, dst, nodes) -> None:
+    """Finish a resharding begun with MIGRATING/IMPORTING: move ``src``'s keys of those slots
+    to ``dst`` (MIGRATE), then give every slot to ``dst`` on every primary."""
+    a, b = src.client(), dst.client()
+    b_id = b.cluster("myid")
+    for slot in _slots_of(a):
+        while keys := a.cluster("getkeysinslot", slot, 1000):
+            a.execute_command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", *keys)
+    slots = _slots_of(a)
+    for node in nodes:
+        pipe = node.client().pipeline(transaction=False)
+        for slot in slots:
+            pipe.cluster("setslot", slot, "node", b_id)
+        pipe.execute()
+
+
+def _slots_of(client) -> list[int]:
+    me = client.cluster("myid")
+    return [
+        slot
+        for start, end, *owners in client.execute_command("CLUSTER", "SLOTS")
+        if owners[0][2] == me
+        for slot in range(start, end + 1)
+    ]
+
+
+def test_slots_migrating_during_a_save_commit_whole(tmp_path: Path) -> None:
+    # Resharding under a running save: every slot of one primary is MIGRATING to another when
+    # the save starts (its new keys there get ASK replies), and the migration finishes a
+    # moment later (MOVED). The writer follows the new slot map and commits the whole save.
+    c = RedisClusterProcesses(tmp_path / "reshard", masters=3)
+    try:
+        src, dst = c.servers[0], c.servers[1]
+        a, b = src.client(), dst.client()
+        a_id, b_id = a.cluster("myid"), b.cluster("myid")
+        slots = _slots_of(a)
+        pb, pa = b.pipeline(transaction=False), a.pipeline(transaction=False)
+        for slot in slots:
+            pb.cluster("setslot", slot, "importing", a_id)
+            pa.cluster("setslot", slot, "migrating", b_id)
+        pb.execute()
+        pa.execute()
+        url = c.url(part_bytes="64KiB")
+        errors: list[BaseException] = []
+
+        def save() -> None:
+            try:
+                dcp.save(sd(7.0, 32), storage_writer=KVStorageWriter(url), checkpoint_id="m")
+            except BaseException as e:
+                errors.append(e)
+
+        saver = threading.Thread(target=save)
+        saver.start()
+        time.sleep(1.0)  # the save is retrying the ASKed keys meanwhile
+        assert saver.is_alive(), errors
+        _move_all_slots(src, dst, c.servers)
+        saver.join(timeout=60)
+        assert not saver.is_alive() and not errors, errors
+        assert _slots_of(a) == []
+        out = sd(0.0, 32)
+        dcp.load(out, storage_reader=KVStorageReader(url, checkpoint_id="m"))
+        assert all(torch.equal(out[k], v) for k, v in sd(7.0, 32).items())
+        assert verify(url, "m").ok
+        assert sum(1 for _ in a.scan_iter(count=1000)) == 0  # nothing left on the old owner
+    finally:
+        c.stop()
 
 
 @pytest.fixture
