@@ -122,3 +122,14 @@ def test_cluster_urls_parse_and_mask() -> None:
     assert open_store("rediss+cluster://h:1").tls
     with pytest.raises(InvalidURLError, match="host:port pairs"):
         open_store("redis+cluster://h1:7000,h2")
+
+
+@pytest.mark.parametrize("scheme", ["redis", "redis+cluster"])
+@pytest.mark.parametrize(
+    "query, problem",
+    [("part_bytes=0", "part_bytes=0"), ("wait_replicas=-1", "wait_replicas must be >= 0")],
+)
+def test_redis_option_checks_name_the_url(scheme: str, query: str, problem: str) -> None:
+    with pytest.raises(InvalidURLError, match=problem) as e:
+        open_store(f"{scheme}://u:s3cret@h:7000?{query}")
+    assert "s3cret" not in str(e.value) and "u:***@h:7000" in str(e.value)

@@ -79,6 +79,19 @@ def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
+def check_redis_options(url: str, part_bytes: int, wait_replicas: int, wait_timeout: float) -> None:
+    """The option checks shared by the single-server and the cluster engine."""
+    if not 1 <= part_bytes <= REDIS_MAX_VALUE:
+        raise InvalidURLError(
+            f"part_bytes={part_bytes} in {mask_url(url)} must be between 1 and "
+            f"{REDIS_MAX_VALUE} (a Redis server refuses larger values)"
+        )
+    if wait_replicas < 0 or wait_timeout <= 0:
+        raise InvalidURLError(
+            f"wait_replicas must be >= 0 and wait_timeout > 0 seconds in {mask_url(url)}"
+        )
+
+
 class RedisEngine(Engine):
     """``redis://[user:password@]host[:port][/db]``, ``rediss://...`` (TLS), ``unix:///path.sock``.
 
@@ -107,21 +120,13 @@ class RedisEngine(Engine):
         wait_replicas: int = 0,
         wait_timeout: float = 10.0,
     ) -> None:
-        if not 1 <= part_bytes <= REDIS_MAX_VALUE:
-            raise InvalidURLError(
-                f"part_bytes={part_bytes} in {mask_url(url)} must be between 1 and "
-                f"{REDIS_MAX_VALUE} (a Redis server refuses larger values)"
-            )
+        check_redis_options(url, part_bytes, wait_replicas, wait_timeout)
         self._raw_url = url
         self._redis_url = redis_url or url
         self._prefix = validate_prefix(prefix)
         self.max_value_bytes = part_bytes
         self.pipeline_bytes = pipeline_bytes
         self.allow_eviction = allow_eviction
-        if wait_replicas < 0 or wait_timeout <= 0:
-            raise InvalidURLError(
-                f"wait_replicas must be >= 0 and wait_timeout > 0 seconds in {mask_url(url)}"
-            )
         self.wait_replicas = wait_replicas
         self.wait_timeout = wait_timeout
         self._client_obj: redis.Redis | None = None

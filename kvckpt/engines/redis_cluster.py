@@ -40,7 +40,7 @@ from ..urls import (
     validate_prefix,
 )
 from .base import BytesLike, Consumer, Engine, Update
-from .redis import _MIB, REDIS_MAX_VALUE, RedisEngine, take_redis_options
+from .redis import _MIB, RedisEngine, check_redis_options, take_redis_options
 
 T = TypeVar("T")
 
@@ -133,11 +133,7 @@ class RedisClusterEngine(Engine):
                     f"commas, not {item!r}"
                 )
             self.startup.append((host.strip("[]"), int(port)))
-        if not 1 <= part_bytes <= REDIS_MAX_VALUE:
-            raise InvalidURLError(
-                f"part_bytes={part_bytes} in {mask_url(url)} must be between 1 and "
-                f"{REDIS_MAX_VALUE} (a Redis server refuses larger values)"
-            )
+        check_redis_options(url, part_bytes, wait_replicas, wait_timeout)
         self._raw_url = url
         self.tls = parts.scheme == "rediss+cluster"
         self.username = unquote(parts.username) if parts.username else None
