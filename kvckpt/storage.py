@@ -523,9 +523,20 @@ class KVStorageReader(_KVStorageBase, StorageReader):
             raise KVCheckpointError("set_up_storage_reader got metadata this reader did not read")
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        # Each rank reads the metadata itself; a re-save of the id committed between two
+        # ranks' reads would have them load different saves. The coordinator compares.
+        if self._record is None:
+            return plan
+        return dataclasses.replace(plan, storage_data=self._record.save_id)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        found = sorted({p.storage_data for p in plans if isinstance(p.storage_data, str)})
+        if len(found) > 1:
+            raise KVCheckpointError(
+                f"checkpoint {self.checkpoint_id!r} in {self.engine.url} was re-saved while "
+                f"this load started: the ranks found different saves ({', '.join(found)}), "
+                "and loading them would mix two checkpoints. Nothing was loaded; load again."
+            )
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -177,4 +178,43 @@ def tiered_worker(rank: int, world_size: int, port: int, local: str, shared: str
     assert choice is not None and choice.checkpoint_id == "tiered" and choice.tier == 0
     check_distributed(out)
     tiers.close()
+    _finish()
+
+
+def racing_load_worker(rank: int, world_size: int, port: int, url: str, flag: str) -> None:
+    """A 2-rank load of checkpoint "race" during which it is re-saved: rank 0 re-saves it after
+    reading the metadata, rank 1 reads the metadata only after that. The load must refuse to
+    mix the two saves; the next load gets the new one whole."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    _init(rank, world_size, port)
+
+    class ResaveAfterMetadata(DefaultLoadPlanner):
+        def create_local_plan(self):  # type: ignore[no-untyped-def]
+            plan = super().create_local_plan()
+            if rank == 0:
+                new = {"t": torch.full((64,), 2.0)}
+                dcp.save(
+                    new, storage_writer=KVStorageWriter(url), checkpoint_id="race", no_dist=True
+                )
+                open(flag, "w").close()
+            return plan
+
+    class LateReader(KVStorageReader):
+        def read_metadata(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            while rank == 1 and not os.path.exists(flag):
+                time.sleep(0.01)
+            return super().read_metadata(*args, **kwargs)
+
+    out = {"t": torch.zeros(64)}
+    try:
+        dcp.load(
+            out, storage_reader=LateReader(url, checkpoint_id="race"), planner=ResaveAfterMetadata()
+        )
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        assert "was re-saved while this load started" in str(e), e
+    else:
+        raise AssertionError("a load across a re-save was not refused")
+    dcp.load(out, storage_reader=KVStorageReader(url, checkpoint_id="race"))
+    assert torch.equal(out["t"], torch.full((64,), 2.0))
     _finish()

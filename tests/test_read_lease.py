@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,3 +141,18 @@ def test_orphan_scan_spares_data_a_reader_holds(store_url: str) -> None:
     hold_read_lease(engine, "a", "reader", None)  # released
     gc(store_url)
     assert save_keys(store_url, "a", info.save_id) == []
+
+
+def test_ranks_that_find_different_saves_refuse_to_mix_them(store_url: str, tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from tests import _dist
+    from tests.conftest import free_port
+
+    dcp.save(
+        {"t": torch.full((64,), 1.0)},
+        storage_writer=KVStorageWriter(store_url),
+        checkpoint_id="race",
+    )
+    flag = str(tmp_path / "resaved")
+    mp.spawn(_dist.racing_load_worker, args=(2, free_port(), store_url, flag), nprocs=2, join=True)
