@@ -525,7 +525,8 @@ class KVStorageReader(_KVStorageBase, StorageReader):
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         # Each rank reads the metadata itself; a re-save of the id committed between two
         # ranks' reads would have them load different saves. The coordinator compares.
-        if self._record is None:
+        # (Rank-local checkpoints hold one save per rank by design.)
+        if self._record is None or self._record.rank is not None:
             return plan
         return dataclasses.replace(plan, storage_data=self._record.save_id)
 
