@@ -25,6 +25,7 @@ import dataclasses
 import io
 import os
 import pickle
+import re
 import tempfile
 import threading
 import uuid
@@ -56,6 +57,7 @@ try:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
     from megatron.core.dist_checkpointing.strategies.base import (
         LoadCommonStrategy,
+        LoadShardedStrategy,
         SaveCommonStrategy,
     )
     from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
@@ -674,6 +676,12 @@ class KVLoadShardedStrategy(TorchDistLoadShardedStrategy):
             )
 
 
+def _refusal(e: Exception) -> str:
+    """The line of torch's long weights_only error that names what was refused."""
+    found = re.search(r"WeightsUnpickler error: (.*?)(?:\. Please|\n|$)", str(e))
+    return found.group(1) if found else str(e)[:300]
+
+
 class KVLoadCommonStrategy(LoadCommonStrategy):
     """Megatron's common-state load strategy for a kvckpt store: reads the common state that
     ``KVSaveCommonStrategy`` stored, under ``torch.load(weights_only=True)`` rules.
@@ -728,7 +736,7 @@ class KVLoadCommonStrategy(LoadCommonStrategy):
                 raise
             raise UnsafeObjectError(
                 f"the Megatron common state of {where} cannot be loaded under "
-                f"torch.load(weights_only=True) rules: {str(e)[:300]}. Allow its types with "
+                f"torch.load(weights_only=True) rules: {_refusal(e)}. Allow its types with "
                 "torch.serialization.add_safe_globals([...]), or, if you trust everyone who can "
                 "write there, pass KVLoadCommonStrategy(..., weights_only=False)."
             ) from None
@@ -756,6 +764,33 @@ class KVLoadCommonStrategy(LoadCommonStrategy):
                 f"this checkpoint's common state was saved by a newer kvckpt (version "
                 f"{loaded_version}; this kvckpt reads up to {VERSION}): upgrade kvckpt"
             )
+
+
+class _Unbound(LoadShardedStrategy, LoadCommonStrategy):
+    """What Megatron finds for backend ``kvckpt`` before :func:`register` binds it to a store.
+
+    Megatron resolves *both* load strategies from ``metadata.json`` even when the caller
+    passes one (``load_tensors_metadata(dir, KVLoadShardedStrategy(url))`` resolves the common
+    one too); with this registered that works, and a load that does need the missing strategy
+    says how to provide it instead of "Cannot find a default strategy".
+    """
+
+    def _fail(self, *args: Any, **kwargs: Any) -> Any:
+        raise CheckpointingException(
+            "Megatron picked kvckpt's default strategy (backend 'kvckpt' in metadata.json), "
+            "which is not bound to a store: call kvckpt.megatron.register(store_url) first, or "
+            "pass sharded_strategy=KVLoadShardedStrategy(store_url) and "
+            "common_strategy=KVLoadCommonStrategy(store_url)"
+        )
+
+    load = load_tensors_metadata = load_sharded_metadata = _fail
+    load_common = load_sharded_objects = remove_sharded_tensors = _fail
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        pass
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        pass
 
 
 def register(store: str | Engine, *, weights_only: bool = True, **writer_options: Any) -> None:
@@ -788,3 +823,8 @@ def register(store: str | Engine, *, weights_only: bool = True, **writer_options
         VERSION,
         KVLoadCommonStrategy(store, weights_only=weights_only),
     )
+
+
+if StrategyAction is not None:
+    register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, _Unbound())
+    register_default_strategy(StrategyAction.LOAD_COMMON, BACKEND, VERSION, _Unbound())
