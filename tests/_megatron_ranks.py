@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -34,13 +35,16 @@ from kvckpt.megatron import (  # noqa: E402
     KVLoadCommonStrategy,
     KVLoadShardedStrategy,
     KVSaveShardedStrategy,
+    register,
     save,
 )
 from tests._dist import _finish, _init  # noqa: E402
 
 SYNC, THREAD, FORK = "iter_0000010", "iter_0000020", "iter_0000030"
+#: Megatron's own save with only the sharded strategy ours: common state in common.pt (LMDB only)
+PLAIN = "iter_0000040"
 #: what each checkpoint's tensors are multiplied by, so that no load can pass with another's data
-SCALE = {SYNC: 1.0, THREAD: 2.0, FORK: 3.0}
+SCALE = {SYNC: 1.0, THREAD: 2.0, FORK: 3.0, PLAIN: 4.0}
 UNSAFE = "iter_unsafe"
 DCP_ID = "dcp-checkpointable"
 
@@ -198,15 +202,19 @@ def save_job(rank: int, world_size: int, port: int, urls: dict[str, str], root: 
     for name, url in urls.items():
         base = Path(root) / name
         strategy = KVSaveShardedStrategy(url)
-        for cid in (SYNC, THREAD, FORK, UNSAFE):
+        for cid in (SYNC, THREAD, FORK, UNSAFE, PLAIN):
             (base / cid).mkdir(parents=True, exist_ok=True)
         dist.barrier()
 
         save(to_save(rank, 1.0, 10), base / SYNC, strategy)
 
+        register(url)  # the THREAD save names the registered strategy: ("kvckpt", 1)
         for cid, run in ((THREAD, BackgroundSave), (FORK, _fork_and_run)):
             sd = to_save(rank, SCALE[cid], int(cid.removeprefix("iter_")))
-            request = save(sd, base / cid, strategy, async_sharded_save=True)
+            how = ("kvckpt", 1) if cid == THREAD else strategy
+            request = save(sd, base / cid, how, async_sharded_save=True)
+            # Megatron's persistent worker gets the request pickled; the write must survive it.
+            assert callable(pickle.loads(pickle.dumps(request.async_fn)))
             running = run(request)
             # Training goes on and changes the parameters: the staged copy is what is saved.
             for v in sd.values():
@@ -226,6 +234,7 @@ def save_job(rank: int, world_size: int, port: int, urls: dict[str, str], root: 
             unsafe = to_save(rank, 1.0, 0)
             unsafe["opaque"] = Opaque()
             save(unsafe, base / UNSAFE, strategy)
+            mdc.save(to_save(rank, SCALE[PLAIN], 40), str(base / PLAIN), sharded_strategy=strategy)
 
         # Plain DCP with Megatron's DCP-compatible tensor wrappers.
         dcp.save(
@@ -246,7 +255,7 @@ def load_job(rank: int, world_size: int, port: int, urls: dict[str, str], root: 
     _init(rank, world_size, port)
     for name, url in urls.items():
         base = Path(root) / name
-        for cid in (SYNC, THREAD, FORK):
+        for cid in (SYNC, THREAD):
             loaded = mdc.load(
                 sharded_state_dict(rank, world_size, None),
                 str(base / cid),
@@ -254,6 +263,16 @@ def load_job(rank: int, world_size: int, port: int, urls: dict[str, str], root: 
                 common_strategy=KVLoadCommonStrategy(url),
             )
             check_loaded(loaded, rank, world_size, cid)
+        register(url)  # Megatron finds both strategies from metadata.json
+        loaded = mdc.load(sharded_state_dict(rank, world_size, None), str(base / FORK))
+        check_loaded(loaded, rank, world_size, FORK)
+        if name == "lmdb":  # sharded part in the store, common.pt loaded by Megatron
+            loaded = mdc.load(
+                sharded_state_dict(rank, world_size, None),
+                str(base / PLAIN),
+                sharded_strategy=KVLoadShardedStrategy(url),
+            )
+            check_loaded(loaded, rank, world_size, PLAIN)
         back = checkpointable(rank, world_size, fill=False)
         dcp.load(back, storage_reader=KVStorageReader(url), checkpoint_id=DCP_ID)
         check_checkpointable(back, rank, world_size)

@@ -109,6 +109,19 @@ def test_async_save_commits_only_at_finalize(saved: Path, store: str) -> None:
         }
 
 
+def test_megatron_save_without_common_strategy_keeps_common_pt(
+    saved: Path, urls: dict[str, str]
+) -> None:
+    """Megatron's own save with only the sharded strategy ours: tensors and sharded objects in
+    the store, the common state in common.pt (Megatron's default; the loads read it back)."""
+    directory = saved / "lmdb" / ranks.PLAIN
+    assert sorted(p.name for p in directory.iterdir()) == ["common.pt", "metadata.json"]
+    assert json.loads((directory / "metadata.json").read_text())["common_backend"] == "torch"
+    record = kvckpt.KVStorageReader(urls["lmdb"], checkpoint_id=ranks.PLAIN).read_record()
+    assert COMMON_FQN not in record.metadata.state_dict_metadata
+    assert "rng/shard_1_2" in record.metadata.state_dict_metadata
+
+
 def _copy(saved: Path, url: str, store: str, new_id: str, tmp_path: Path) -> Path:
     """A copy of the sync checkpoint under a new id, with its checkpoint directory."""
     copy_checkpoint(url, ranks.SYNC, url, new_id)
