@@ -88,10 +88,11 @@ try:  # the strategy registry: deprecated in megatron-core 0.17, removed in 0.19
 except ImportError:  # pragma: no cover - megatron-core >= 0.19
     StrategyAction = None  # type: ignore[assignment,misc]
 
-from .catalog import read_lease
+from .catalog import publish, read_lease
 from .engines.base import Engine
 from .errors import InvalidCheckpointIdError, KVCheckpointError, MetadataError, UnsafeObjectError
 from .format import ItemLocation
+from .manage import list_checkpoints
 from .storage import KVStorageReader, KVStorageWriter, fetch_parts
 from .urls import open_store, validate_name
 
@@ -214,7 +215,8 @@ class _WriteJob:
         # ``items`` is replaced by ``preload_fn()``'s staged copy.
         outcome: list[WriteResult] | BaseException
         try:
-            outcome = self.writer.write_data(self.plan, _Resolved(items)).value()  # type: ignore[arg-type]
+            planner = _Resolved(items)
+            outcome = self.writer.write_data(self.plan, planner).value()  # type: ignore[arg-type]
         except BaseException as e:  # reported by finalize, on every rank
             outcome = e
         if os.getpid() == self.pid:
@@ -319,6 +321,10 @@ class KVSaveShardedStrategy(TorchDistSaveShardedStrategy):
         """Include ``data`` (a ``torch.save`` of the common state) in the next save of
         ``checkpoint_dir`` from this rank."""
         self._common[checkpoint_id_for(checkpoint_dir, self.checkpoint_id)] = data
+
+    def forget_common(self, checkpoint_dir: str | os.PathLike) -> None:
+        """Drop common state staged for ``checkpoint_dir`` and not saved (its save failed)."""
+        self._common.pop(checkpoint_id_for(checkpoint_dir, self.checkpoint_id), None)
 
     def async_save(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike
@@ -456,10 +462,18 @@ def save(
                 f"bound to one), not {type(sharded_strategy).__name__}"
             )
         common_strategy = KVSaveCommonStrategy(sharded_strategy)
-    with _default_common_save_strategy(common_strategy):
-        request = serialization.save(
-            sharded_state_dict, str(checkpoint_dir), sharded_strategy, **kwargs
-        )
+    try:
+        with _default_common_save_strategy(common_strategy):
+            request = serialization.save(
+                sharded_state_dict, str(checkpoint_dir), sharded_strategy, **kwargs
+            )
+    except BaseException:
+        # A save that failed between the common and the sharded part must not leave its common
+        # state for the next save of this directory to pick up.
+        if isinstance(common_strategy, KVSaveCommonStrategy):
+            with contextlib.suppress(KVCheckpointError):
+                common_strategy.sharded.forget_common(checkpoint_dir)
+        raise
     if request is None:
         _record_common_backend(checkpoint_dir)
     else:
@@ -610,9 +624,6 @@ class KVLoadShardedStrategy(TorchDistLoadShardedStrategy):
         while nothing saves or loads this checkpoint: a load that already read the old
         metadata fails on the removed items.
         """
-        from .catalog import publish
-        from .manage import list_checkpoints
-
         checkpoint_id = checkpoint_id_for(checkpoint_dir, self.checkpoint_id)
         record = self.reader(checkpoint_dir).read_record()
         md = record.metadata
