@@ -701,9 +701,9 @@ class KVLoadCommonStrategy(LoadCommonStrategy):
         store: a store URL or an engine.
         checkpoint_id: as for :class:`KVSaveShardedStrategy`.
         weights_only: False lets the common state load objects that need arbitrary unpickling
-            (e.g. an ``argparse.Namespace`` of args) — only for a store whose every writer you
-            trust. To allow a few known types instead, register them with
-            ``torch.serialization.add_safe_globals``.
+            — only for a store whose every writer you trust. To allow a few known types
+            instead, register them with ``torch.serialization.add_safe_globals`` (importing
+            ``megatron.core`` already allows Megatron's own, ``argparse.Namespace`` included).
         lease: seconds of the read lease held while reading (see ``KVStorageReader``).
     """
 

@@ -25,6 +25,7 @@ import torch
 import torch.multiprocessing as mp
 from megatron.core import dist_checkpointing as mdc
 from megatron.core.dist_checkpointing.mapping import CheckpointingException
+from megatron.core.safe_globals import SAFE_GLOBALS
 
 import kvckpt
 from kvckpt import open_store
@@ -40,6 +41,13 @@ from kvckpt.megatron import (
 from kvckpt.testing import RedisServer, free_port
 from kvckpt.transfer import copy_checkpoint, verify
 from tests import _megatron_ranks as ranks
+
+# Importing megatron.core adds its own types (argparse.Namespace, numpy arrays, its enums) to
+# torch's process-wide weights_only allowlist: keep that from leaking into the other test
+# modules, which this module's collection precedes.
+_allowed = [g for g in torch.serialization.get_safe_globals() if g not in SAFE_GLOBALS]
+torch.serialization.clear_safe_globals()
+torch.serialization.add_safe_globals(_allowed)
 
 STORES = ["lmdb", "redis"]
 
