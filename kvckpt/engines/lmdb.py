@@ -127,11 +127,23 @@ class _SharedEnv:
         with cls._lock:
             shared = cls._envs.get(key)
             if shared is None:
+                cls._close_inherited(key)
                 shared = cls._envs[key] = cls(path, **kwargs)
                 shared.env.reader_check()  # clear slots of readers that died (SIGKILL)
             cls._idle.pop(key, None)
             shared.refs += 1
             return shared
+
+    @classmethod
+    def _close_inherited(cls, key: tuple[int, str]) -> None:
+        """In a forked child (e.g. Megatron's async checkpoint process), close the parent's
+        handle of this environment: LMDB forbids using it after fork, and py-lmdb refuses to
+        open an environment that is "already open in this process". Closing the child's copy
+        leaves the parent's handle, locks and reader slots alone."""
+        for other in [k for k in cls._envs if k[1] == key[1] and k[0] != key[0]]:
+            with contextlib.suppress(lmdb.Error):
+                cls._envs.pop(other).env.close()
+            cls._idle.pop(other, None)
 
     @classmethod
     def release(cls, path: str) -> None:
@@ -441,6 +453,14 @@ class LMDBEngine(Engine):
                     txn.put(k.encode(), v)
 
         self._write(apply, 1 * _MIB)
+
+
+def _reset_lock_after_fork() -> None:
+    # Another thread of the parent may have held it at fork; the child has only this thread.
+    _SharedEnv._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_lock_after_fork)
 
 
 def close_idle_environments() -> None:
