@@ -139,8 +139,19 @@ class _SharedEnv:
         """In a forked child (e.g. Megatron's async checkpoint process), close the parent's
         handle of this environment: LMDB forbids using it after fork, and py-lmdb refuses to
         open an environment that is "already open in this process". Closing the child's copy
-        leaves the parent's handle, locks and reader slots alone."""
+        leaves the parent's handle, locks and reader slots alone, *unless* one of the parent's
+        threads was inside a transaction at the fork: closing would then end the child's copy
+        of that transaction in the shared lock file, unprotecting the parent's read snapshot
+        (or its write lock). That case is refused instead."""
         for other in [k for k in cls._envs if k[1] == key[1] and k[0] != key[0]]:
+            inherited = cls._envs[other]
+            if inherited._readers or inherited.write_lock.locked():
+                raise StoreUnavailableError(
+                    f"LMDB store {key[1]} was in use by another thread when this process was "
+                    "forked from it, so this process cannot open it safely. Fork (e.g. start "
+                    "an async save) when no load or save of that store is running, or use the "
+                    "spawn start method."
+                )
             with contextlib.suppress(lmdb.Error):
                 cls._envs.pop(other).env.close()
             cls._idle.pop(other, None)
