@@ -117,14 +117,15 @@ def test_replica_restarted_mid_copy_never_shows_a_partial_checkpoint(tmp_path: P
     # The copy runs in the background for a few hundred ms more: restart the replica under
     # it, losing (no persistence) every key copied so far. Depending on where the copy was,
     # the batch in flight is resent and earlier ones are lost (no commit, an error), or
-    # nothing was acknowledged yet and everything arrives after the restart (a whole commit).
+    # nothing was acknowledged yet and everything arrives after the restart (a whole commit),
+    # or the copy's retries ran out while the server was down (no commit, an error).
     server.proc.kill()
     server.proc.wait()
     server.start()
     try:
         tiers.wait()
     except ReplicationError as e:
-        assert "never reached" in str(e)
+        assert "never reached" in str(e) or "cannot reach Redis" in str(e), e
         assert list_checkpoints(url) == []  # no commit of what did not arrive whole
     else:
         out = {k: torch.zeros_like(v) for k, v in big.items()}
