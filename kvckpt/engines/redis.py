@@ -105,7 +105,8 @@ class RedisEngine(Engine):
 
     shared = True
     supports_ttl = True
-    # xxh3 costs ~7% of a load at loopback speed (benchmarks/run.py); on a network, less.
+    # verifying xxh3 costs 0-8% of a load at loopback speed, overlapped with the network on a
+    # second core (benchmarks/run.py); on a slower network, less.
     checksums_by_default = True
 
     def __init__(
