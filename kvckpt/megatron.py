@@ -462,6 +462,13 @@ def save(
                 f"bound to one), not {type(sharded_strategy).__name__}"
             )
         common_strategy = KVSaveCommonStrategy(sharded_strategy)
+    elif common_strategy.sharded is not sharded_strategy:
+        # The common state would be staged on a strategy that is not saving: lost silently.
+        raise TypeError(
+            "kvckpt.megatron.save: common_strategy is bound to another KVSaveShardedStrategy "
+            "than the sharded_strategy given; pass KVSaveCommonStrategy(sharded_strategy) or "
+            "leave common_strategy out"
+        )
     try:
         with _default_common_save_strategy(common_strategy):
             request = serialization.save(

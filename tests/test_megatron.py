@@ -34,10 +34,12 @@ from kvckpt.megatron import (
     COMMON_FQN,
     KVLoadCommonStrategy,
     KVLoadShardedStrategy,
+    KVSaveCommonStrategy,
     KVSaveShardedStrategy,
     checkpoint_id_for,
     register,
 )
+from kvckpt.megatron import save as kvm_save
 from kvckpt.testing import RedisServer, free_port
 from kvckpt.transfer import copy_checkpoint, verify
 from tests import _megatron_ranks as ranks
@@ -217,6 +219,11 @@ def test_errors_name_the_checkpoint_and_the_fix(urls: dict[str, str], tmp_path: 
         KVLoadCommonStrategy(url).load_common(tmp_path / ranks.DCP_ID)
     with pytest.raises(ValueError, match="keep_last"):
         KVSaveShardedStrategy(url, keep_last=0)
+    # A common strategy bound to another sharded strategy would stage the common state where
+    # no save takes it: refused before anything is written.
+    other = KVSaveCommonStrategy(KVSaveShardedStrategy(url))
+    with pytest.raises(TypeError, match="bound to another KVSaveShardedStrategy"):
+        kvm_save({}, tmp_path, KVSaveShardedStrategy(url), other)
 
 
 def test_import_kvckpt_does_not_import_megatron() -> None:
