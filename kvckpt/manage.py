@@ -17,6 +17,7 @@ from typing import Any
 from .catalog import (
     Index,
     collect_retired,
+    pending_name,
     read_index,
     readers_key,
     rebuild_index,
@@ -313,6 +314,18 @@ def gc(
                 report.deleted_keys += engine.delete(keys)
                 report.removed_incomplete.append(f"{save[0]}/{save[1]} (orphaned)")
     return report
+
+
+def discard_save(engine: Engine, checkpoint_id: str, save_id: str) -> int:
+    """Drop a collective save that will never commit (a failed copy of ``Tiers``): its data,
+    its write lease and its pending entry, as ``gc`` does for a crashed writer's save.
+    Returns the number of data keys deleted."""
+    deleted = engine.delete_prefix(data_prefix(engine.prefix, checkpoint_id, save_id))
+    release_lease(engine, checkpoint_id, save_id, None)
+    update_index(
+        engine, lambda idx: idx.pending.pop(pending_name(checkpoint_id, save_id, None), None)
+    )
+    return deleted
 
 
 #: ``gc(..., incomplete_older_than=NEVER)`` leaves every pending save alone.

@@ -49,7 +49,7 @@ from .catalog import hold_read_lease, mark_pending, publish
 from .engines.base import Engine
 from .errors import KVCheckpointError, ReplicationError
 from .format import ItemLocation, part_ranges
-from .manage import NEVER, gc, list_checkpoints
+from .manage import NEVER, discard_save, gc, list_checkpoints
 from .storage import KVStorageReader, KVStorageWriter, _PlanData
 from .transfer import DirectoryReader, export_checkpoint
 from .urls import open_store
@@ -256,6 +256,7 @@ class Tiers:
         failures: list[str] = []
         for i in tiers:
             dst = self.engines[i]
+            committed = False
             try:
                 if save_id in self._failed:
                     raise ReplicationError("this process's copy of its own keys failed (see above)")
@@ -269,6 +270,7 @@ class Tiers:
                     world_size=world_size,
                     created_at=created_at,
                 )
+                committed = True
                 dst.sync_replicas()
                 if self.keep_last is not None:
                     gc(
@@ -281,8 +283,13 @@ class Tiers:
                 source = dst
             except KVCheckpointError as e:
                 failures.append(f"{dst.url}: {e}")
+                if not committed:
+                    self._discard(dst, checkpoint_id, save_id)
         if self.durable is not None and self._commits % self.durable_every == 0:
-            self._export(source, checkpoint_id, created_at)
+            try:
+                self._export(source, checkpoint_id, created_at)
+            except (KVCheckpointError, OSError) as e:
+                failures.append(f"durable directory {self.durable}: {e}")
         if failures:
             raise ReplicationError(
                 f"checkpoint {checkpoint_id!r} is committed in {self.engines[0].url} but not "
@@ -321,19 +328,42 @@ class Tiers:
             time.sleep(pause)
             pause = min(2 * pause, 1.0)
 
+    @staticmethod
+    def _discard(dst: Engine, checkpoint_id: str, save_id: str) -> None:
+        """Best effort: a copy that will not commit leaves no data, pending entry or lease in
+        the replica (values a slower rank still sends afterwards are orphans for gc)."""
+        try:
+            discard_save(dst, checkpoint_id, save_id)
+        except KVCheckpointError as e:
+            logger.warning(
+                "could not remove the failed copy of %r from %s: %s (run gc)",
+                checkpoint_id,
+                dst.url,
+                e,
+            )
+
     def _export(self, source: Engine, checkpoint_id: str, created_at: float) -> None:
+        """Export to ``<durable>/<id>``: written under a hidden name, then renamed, so the
+        directory appears whole or not at all; a replaced one is renamed away before it is
+        deleted, so a crash never leaves a half-deleted checkpoint under the real name."""
         assert self.durable is not None
         self.durable.mkdir(parents=True, exist_ok=True)
         final = self.durable / checkpoint_id
         tmp = self.durable / f".{checkpoint_id}.{os.getpid()}.tmp"
+        old = self.durable / f".{checkpoint_id}.{os.getpid()}.old"
         shutil.rmtree(tmp, ignore_errors=True)
-        export_checkpoint(source, checkpoint_id, tmp)
-        (tmp / DURABLE_INFO).write_text(
-            json.dumps({"checkpoint_id": checkpoint_id, "created_at": created_at})
-        )
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)  # a directory appears whole or not at all
+        try:
+            export_checkpoint(source, checkpoint_id, tmp)
+            (tmp / DURABLE_INFO).write_text(
+                json.dumps({"checkpoint_id": checkpoint_id, "created_at": created_at})
+            )
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
 
     # -- restoring ----------------------------------------------------------------------------
 
@@ -376,8 +406,15 @@ class Tiers:
         if not found:
             return None
         newest = max(found, key=lambda r: r.created_at)
+        # The same save: a tier holding an older save under the same id (a copy that failed)
+        # does not count. Copies keep their original's commit time.
         return min(
-            (r for r in found if r.checkpoint_id == newest.checkpoint_id), key=lambda r: r.tier
+            (
+                r
+                for r in found
+                if r.checkpoint_id == newest.checkpoint_id and r.created_at == newest.created_at
+            ),
+            key=lambda r: r.tier,
         )
 
     def reader(self, choice: Restore, **options: Any) -> StorageReader:

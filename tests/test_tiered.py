@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 from kvckpt import (
     DirectoryReader,
     KVStorageReader,
+    KVStorageWriter,
     ReplicationError,
     Tiers,
     UnsafeObjectError,
@@ -127,6 +128,11 @@ def test_replica_restarted_mid_copy_never_shows_a_partial_checkpoint(tmp_path: P
     except ReplicationError as e:
         assert "never reached" in str(e) or "cannot reach Redis" in str(e), e
         assert list_checkpoints(url) == []  # no commit of what did not arrive whole
+        # ... and the failed copy left nothing behind: no data, no pending entry, no lease.
+        replica = open_store(url)
+        assert list(replica.scan(data_prefix(replica.prefix, "step-1"))) == []
+        assert read_index(replica).pending == {}
+        assert list(replica.scan("{kvckpt}/lease/")) == []
     else:
         out = {k: torch.zeros_like(v) for k, v in big.items()}
         dcp.load(out, storage_reader=KVStorageReader(url, checkpoint_id="step-1"))
@@ -163,3 +169,19 @@ def test_directory_reader_refuses_unsafe_objects(tmp_path: Path) -> None:
             storage_reader=DirectoryReader(tmp_path / "ckpt"),
         )
     assert "UnsafeObjectError" in str(info.value) or isinstance(info.value, UnsafeObjectError)
+
+
+def test_restore_never_takes_an_older_save_of_the_newest_id(tmp_path: Path, redis_url: str) -> None:
+    # A faster tier can hold an older save under the newest checkpoint's id (its copy of the
+    # newer save failed, or, as here, the newer save went to a slower tier only): restore takes
+    # the newest save, from whichever tier holds that save.
+    local = f"lmdb://{tmp_path / 'node'}"
+    tiers = Tiers([local, redis_url])
+    dcp.save(sd(1.0), storage_writer=tiers.writer(), checkpoint_id="latest")
+    tiers.wait()
+    dcp.save(sd(2.0), storage_writer=KVStorageWriter(redis_url), checkpoint_id="latest")
+    out = sd(0.0)
+    choice = tiers.restore(out)
+    assert choice is not None and (choice.checkpoint_id, choice.tier) == ("latest", 1)
+    assert same(out, sd(2.0))
+    tiers.close()
