@@ -403,10 +403,14 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
             gc(
                 self.engine,
                 keep_last=self.keep_last,
-                protect=[checkpoint_id],
+                protect=self._protected(checkpoint_id),
                 incomplete_older_than=NEVER,
                 scan_orphans=False,
             )
+
+    def _protected(self, checkpoint_id: str) -> list[str]:
+        """The checkpoint ids ``keep_last`` must not delete after this save's commit."""
+        return [checkpoint_id]
 
 
 class KVStorageReader(_KVStorageBase, StorageReader):

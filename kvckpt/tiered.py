@@ -32,7 +32,8 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +119,8 @@ class Tiers:
         self._errors: list[BaseException] = []
         self._commits = 0
         self._failed: set[str] = set()  # saves whose copy failed in this process
+        self._busy: Counter[str] = Counter()  # checkpoint id -> background jobs on it
+        self._renew_lease: Callable[..., None] = _no_renewal  # the running job's lease
 
     @property
     def stores(self) -> list[str]:
@@ -133,13 +136,27 @@ class Tiers:
         return TieredStorageWriter(self, **{**self.writer_options, **options})
 
     def _submit(self, job: Any, *args: Any, checkpoint_id: str, save_id: str) -> None:
-        """Queue a background job on a save. A read lease on the first tier, taken now and
-        released when the job ends, keeps the save's data there from retention meanwhile."""
+        """Queue a background job on a save. While it is queued or running, the writers'
+        ``keep_last`` leaves its checkpoint in the first tier (``busy_ids``), and a read lease
+        there, taken now, renewed while the job runs and released when it ends, keeps the data
+        of the save from any other retention (``gc``, a re-save of the id) meanwhile."""
         token = os.urandom(8).hex()
-        hold_read_lease(self.engines[0], checkpoint_id, token, self.replicate_timeout)
+        engine = self.engines[0]
+        hold_read_lease(engine, checkpoint_id, token, self.replicate_timeout)
+        with self._lock:
+            self._busy[checkpoint_id] += 1
 
         def run() -> None:
+            renewed = [time.monotonic()]
+
+            def renew(force: bool = False) -> None:
+                if force or time.monotonic() - renewed[0] > self.replicate_timeout / 3:
+                    hold_read_lease(engine, checkpoint_id, token, self.replicate_timeout)
+                    renewed[0] = time.monotonic()
+
+            self._renew_lease = renew
             try:
+                renew(force=True)  # the job may have waited in the queue
                 job(checkpoint_id, save_id, *args)
             except BaseException as e:
                 logger.error("kvckpt tiers: %s", e)
@@ -147,11 +164,24 @@ class Tiers:
                     self._errors.append(e)
                     self._failed.add(save_id)  # a later job on this save need not wait for it
             finally:
-                hold_read_lease(self.engines[0], checkpoint_id, token, None)
+                self._renew_lease = _no_renewal
+                with self._lock:
+                    self._busy[checkpoint_id] -= 1
+                    if not self._busy[checkpoint_id]:
+                        del self._busy[checkpoint_id]
+                try:
+                    hold_read_lease(engine, checkpoint_id, token, None)
+                except KVCheckpointError as e:  # it lapses by itself
+                    logger.warning("could not release a read lease in %s: %s", engine.url, e)
 
         with self._lock:
             self._jobs = [j for j in self._jobs if not j.done()]
             self._jobs.append(self._pool.submit(run))
+
+    def busy_ids(self) -> set[str]:
+        """Checkpoint ids whose background copies or exports are queued or running here."""
+        with self._lock:
+            return set(self._busy)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every background copy queued so far is done; raise the first error
@@ -236,6 +266,7 @@ class Tiers:
                     (dst_keys[t], view) for (_, dst_keys, _), view in zip(batch, views, strict=True)
                 )
             start = stop
+            self._renew_lease()
         for i in tiers:
             self.engines[i].sync_replicas()
 
@@ -327,6 +358,7 @@ class Tiers:
                 )
             time.sleep(pause)
             pause = min(2 * pause, 1.0)
+            self._renew_lease()
 
     @staticmethod
     def _discard(dst: Engine, checkpoint_id: str, save_id: str) -> None:
@@ -435,6 +467,10 @@ class Tiers:
         return choice
 
 
+def _no_renewal(force: bool = False) -> None:
+    """No background job is running: nothing to renew."""
+
+
 def _durable_time(path: Path) -> float:
     try:
         info = json.loads((path / DURABLE_INFO).read_text())
@@ -451,6 +487,10 @@ class TieredStorageWriter(KVStorageWriter):
         self.tiers = tiers
         self.part_bytes = tiers.part_bytes
         self._replicas: tuple[int, ...] = ()
+
+    def _protected(self, checkpoint_id: str) -> list[str]:
+        # keep_last waits for the copies and exports of earlier checkpoints still in flight
+        return [checkpoint_id, *sorted(self.tiers.busy_ids())]
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         plans = super().prepare_global_plan(plans)

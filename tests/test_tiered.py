@@ -185,3 +185,35 @@ def test_restore_never_takes_an_older_save_of_the_newest_id(tmp_path: Path, redi
     assert choice is not None and (choice.checkpoint_id, choice.tier) == ("latest", 1)
     assert same(out, sd(2.0))
     tiers.close()
+
+
+def test_keep_last_waits_for_copies_still_in_flight(tmp_path: Path, redis_url: str) -> None:
+    # The background thread is held up (a slow copy) while three saves commit with keep_last=1:
+    # their copies and durable exports still find every checkpoint in the first tier, and
+    # retention catches up at the first save after they are done.
+    import threading
+
+    local = f"lmdb://{tmp_path / 'node'}"
+    tiers = Tiers([local, redis_url], durable=tmp_path / "durable", keep_last=1)
+    gate = threading.Event()
+    tiers._pool.submit(gate.wait)  # the copy thread is busy until the gate opens
+    for step in range(3):
+        dcp.save(sd(float(step)), storage_writer=tiers.writer(), checkpoint_id=f"step-{step}")
+    assert tiers.busy_ids() == {"step-0", "step-1", "step-2"}
+    assert len(list_checkpoints(local)) == 3  # nothing copied yet, so nothing deleted yet
+    gate.set()
+    tiers.wait()  # no copy or export failed
+    assert tiers.busy_ids() == set()
+    assert sorted(p.name for p in (tmp_path / "durable").iterdir()) == [
+        "step-0",
+        "step-1",
+        "step-2",
+    ]
+    out = sd(0.0)
+    dcp.load(out, storage_reader=DirectoryReader(tmp_path / "durable" / "step-0"))
+    assert same(out, sd(0.0))
+    dcp.save(sd(3.0), storage_writer=tiers.writer(), checkpoint_id="step-3")
+    tiers.wait()
+    for url in (local, redis_url):
+        assert [i.checkpoint_id for i in list_checkpoints(url)] == ["step-3"]
+    tiers.close()
