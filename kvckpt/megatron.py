@@ -117,6 +117,11 @@ VERSION = 1
 #: model parameter names and ``key/shard_...`` object keys, never this.
 COMMON_FQN = "__kvckpt__/megatron/common"
 
+#: (store URL, checkpoint id) -> the save whose common state this process loaded last; the
+#: sharded load that Megatron runs next pins its reader to that save (``save_id=``), so a
+#: re-save of the id between the two reads fails the load instead of mixing two saves.
+_common_loaded: dict[tuple[str, str], str] = {}
+
 #: How a strategy names the checkpoint of a ``checkpoint_dir``: None for the directory's base
 #: name, a fixed id, or a function of the directory.
 CheckpointIdSpec = str | Callable[[Path], str] | None
@@ -577,6 +582,9 @@ class KVLoadShardedStrategy(TorchDistLoadShardedStrategy):
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike
     ) -> StateDict:
         # TorchDistLoadShardedStrategy.load with the reader swapped: its reader is hard-wired.
+        reader = self.reader(checkpoint_dir)
+        # Megatron loads the common state first: the tensors must come from that same save.
+        reader.save_id = _common_loaded.pop((self.engine.url, reader._require_id()), None)
         tensors = [t for t in nested_values(sharded_state_dict) if isinstance(t, ShardedTensor)]
         original = sharded_state_dict
         sharded, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(
@@ -585,7 +593,7 @@ class KVLoadShardedStrategy(TorchDistLoadShardedStrategy):
         state_dict = mcore_to_pyt_state_dict(sharded, True)
         dcp.load(
             state_dict,
-            storage_reader=self.reader(checkpoint_dir),
+            storage_reader=reader,
             planner=MCoreLoadPlanner(
                 shapes_validation_sharded_tensors=[
                     t for t in tensors if not t.allow_shape_mismatch
@@ -747,6 +755,7 @@ class KVLoadCommonStrategy(LoadCommonStrategy):
                 data[start : start + view.nbytes] = view
 
             fetch_parts(self.engine, record, [(index, loc)], copy, verify=reader.verify)
+        _common_loaded[(self.engine.url, checkpoint_id)] = record.save_id
         try:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=self.weights_only)
         except pickle.UnpicklingError as e:

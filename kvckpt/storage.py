@@ -425,6 +425,9 @@ class KVStorageReader(_KVStorageBase, StorageReader):
         verify: check each value against the checksum recorded at save (when the save recorded
             them). Default: the engine's choice (on for Redis, off for LMDB).
         batch_bytes: how many bytes to request from the engine per batch (bounds memory).
+        save_id: load only this save of the checkpoint id (``read_record().save_id``) and fail
+            clearly if the id was re-saved since: for loads made of several reads that must
+            all see one save.
         lease: seconds a load holds its read lease on the checkpoint id without renewing it
             (it renews between batches). While one is held, retention (``keep_last``, ``gc``,
             ``delete_checkpoint``) and re-saves of the id remove the metadata at once but leave
@@ -441,10 +444,12 @@ class KVStorageReader(_KVStorageBase, StorageReader):
         verify: bool | None = None,
         batch_bytes: int = _DEFAULT_BATCH_BYTES,
         lease: float = 60.0,
+        save_id: str | None = None,
     ) -> None:
         super().__init__()
         self.engine = open_store(store)
         self.checkpoint_id = _checkpoint_id(checkpoint_id)
+        self.save_id = save_id
         self.weights_only = weights_only
         self.verify = (
             bool(getattr(self.engine, "checksums_by_default", False)) if verify is None else verify
@@ -475,6 +480,12 @@ class KVStorageReader(_KVStorageBase, StorageReader):
             raise MetadataError(
                 f"metadata stored for {where} names checkpoint {record.checkpoint_id!r}: the "
                 "value was copied or overwritten under the wrong key"
+            )
+        if self.save_id is not None and record.save_id != self.save_id:
+            raise KVCheckpointError(
+                f"{where} was re-saved: it now holds save {record.save_id}, not save "
+                f"{self.save_id} that this load was pinned to (save_id=). Nothing was loaded; "
+                "load again."
             )
         return record
 

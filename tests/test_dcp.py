@@ -371,3 +371,19 @@ def test_lmdb_checksums_are_opt_in(lmdb_url: str) -> None:
     flip_one_byte(lmdb_url, "summed", "w")
     with pytest.raises(BaseException, match="does not match the checksum"):
         load({"w": torch.zeros(32, 32)}, lmdb_url, cid="summed", verify=True)
+
+
+def test_reader_pinned_to_a_save_refuses_a_resaved_id(store_url: str) -> None:
+    dcp.save(
+        {"t": torch.full((8,), 1.0)}, storage_writer=KVStorageWriter(store_url), checkpoint_id="p"
+    )
+    first = KVStorageReader(store_url, checkpoint_id="p").read_record().save_id
+    out = {"t": torch.zeros(8)}
+    dcp.load(out, storage_reader=KVStorageReader(store_url, checkpoint_id="p", save_id=first))
+    assert torch.equal(out["t"], torch.full((8,), 1.0))
+    dcp.save(
+        {"t": torch.full((8,), 2.0)}, storage_writer=KVStorageWriter(store_url), checkpoint_id="p"
+    )
+    with pytest.raises(BaseException, match=f"was re-saved.*not save {first}"):
+        dcp.load(out, storage_reader=KVStorageReader(store_url, checkpoint_id="p", save_id=first))
+    assert torch.equal(out["t"], torch.full((8,), 1.0))  # nothing was loaded

@@ -206,6 +206,32 @@ def test_common_state_loads_under_weights_only(saved: Path, urls: dict[str, str]
     assert trusted["opaque"] == ranks.Opaque()
 
 
+def test_a_resave_between_common_and_sharded_reads_fails_the_load(
+    saved: Path, urls: dict[str, str], tmp_path: Path
+) -> None:
+    # Megatron reads the common state, then the tensors. If the id is re-saved in between, the
+    # tensor read is pinned to the save the common state came from and fails clearly.
+    import torch.distributed as dist
+
+    url = urls["lmdb"]
+    copy_checkpoint(url, ranks.SYNC, url, "iter_race")
+    ckpt_dir = tmp_path / "iter_race"
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        KVLoadCommonStrategy(url).load_common(ckpt_dir)
+        copy_checkpoint(url, ranks.SYNC, url, "iter_race")  # the re-save: a new save of the id
+        with pytest.raises(BaseException, match="was re-saved"):  # DCP's CheckpointException
+            KVLoadShardedStrategy(url).load(ranks.sharded_state_dict(0, 1, None), ckpt_dir)
+        # Read again, both parts come from the one save now there.
+        common = KVLoadCommonStrategy(url).load_common(ckpt_dir)
+        loaded = KVLoadShardedStrategy(url).load(ranks.sharded_state_dict(0, 1, None), ckpt_dir)
+        ranks.check_loaded({**common, **loaded}, 0, 1, ranks.SYNC)  # a copy of SYNC
+    finally:
+        dist.destroy_process_group()
+
+
 def test_errors_name_the_checkpoint_and_the_fix(urls: dict[str, str], tmp_path: Path) -> None:
     url = urls["lmdb"]
     with pytest.raises(InvalidCheckpointIdError, match=r"checkpoint_id=\.\.\."):
