@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -108,8 +109,17 @@ def test_unreachable_replica_does_not_fail_the_save(tmp_path: Path) -> None:
     tiers.wait()  # reported once
 
 
-def test_replica_restarted_mid_copy_never_shows_a_partial_checkpoint(tmp_path: Path) -> None:
-    server = RedisServer(tmp_path / "redis")
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of this test's own (it is restarted), stopped even if the test fails."""
+    srv = RedisServer(tmp_path / "redis")
+    yield srv
+    srv.stop()
+
+
+def test_replica_restarted_mid_copy_never_shows_a_partial_checkpoint(
+    tmp_path: Path, server: RedisServer
+) -> None:
     url = server.url(part_bytes="64KiB")
     local = f"lmdb://{tmp_path / 'node'}"
     tiers = Tiers([local, url], replicate_timeout=3)
@@ -138,7 +148,6 @@ def test_replica_restarted_mid_copy_never_shows_a_partial_checkpoint(tmp_path: P
         dcp.load(out, storage_reader=KVStorageReader(url, checkpoint_id="step-1"))
         assert all(torch.equal(out[k], v) for k, v in big.items())
     assert latest_checkpoint(local) == "step-1"  # the fast tier is unaffected
-    server.stop()
 
 
 def test_two_ranks_copy_their_own_data(tmp_path: Path, redis_url: str) -> None:
