@@ -60,6 +60,9 @@ class Index:
     pending: dict[str, dict[str, Any]]
     #: saves whose metadata is gone but whose data a reader may still be loading
     retired: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: a node-local store that is not the coordinator's: the saves whose data ranks on this
+    #: node wrote (their metadata is in the coordinator's store)
+    remote: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def decode(cls, raw: bytes | None, *, where: str) -> Index:
@@ -88,10 +91,13 @@ class Index:
                 f"the checkpoint index of {where} has version {doc.get('version')!r}, newer "
                 f"than this kvckpt reads ({INDEX_VERSION}): upgrade kvckpt"
             )
-        retired = doc.get("retired", {})
-        if not isinstance(retired, dict) or not all(isinstance(v, dict) for v in retired.values()):
-            retired = {}  # an optional field: data it named is found by gc's orphan scan
-        return cls(doc["checkpoints"], doc["pending"], retired)
+        optional = []
+        for name in ("retired", "remote"):
+            value = doc.get(name, {})
+            if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+                value = {}  # optional fields: data they named is found by gc's orphan scan
+            optional.append(value)
+        return cls(doc["checkpoints"], doc["pending"], *optional)
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -101,6 +107,7 @@ class Index:
                 "checkpoints": self.checkpoints,
                 "pending": self.pending,
                 "retired": self.retired,
+                "remote": self.remote,
             },
             use_bin_type=True,
         )
@@ -486,3 +493,48 @@ def rebuild_index(engine: Engine) -> Index:
     key = index_key(engine.prefix)
     engine.transact([key], lambda _: {key: index.encode()})
     return index
+
+
+def tidy_remote_store(
+    engine: Engine,
+    *,
+    origin: str,
+    live: set[tuple[str, str]],
+    checkpoint_id: str,
+    save_id: str,
+    rank: int,
+) -> int:
+    """On a node-local store that is not the coordinator's (another node's LMDB), before this
+    rank writes its part of a save: record the save, and delete this rank's data of earlier
+    saves of the same coordinator that the coordinator no longer keeps (``live``: its
+    committed, pending and retired saves when this save was planned). This is how
+    ``keep_last`` and ``gc`` on the coordinator reach the other nodes' stores, one save later.
+    Returns the number of keys deleted."""
+    index = read_index(engine)
+    stale = {
+        name: e
+        for name, e in index.remote.items()
+        if e.get("origin") == origin
+        and e.get("rank") == rank
+        and (e.get("checkpoint_id"), e.get("save_id")) not in live
+        and isinstance(e.get("checkpoint_id"), str)
+        and isinstance(e.get("save_id"), str)
+    }
+    deleted = 0
+    for e in stale.values():
+        head = data_prefix(engine.prefix, e["checkpoint_id"], e["save_id"])
+        deleted += engine.delete_prefix(f"{head}{rank}/")
+
+    def change(idx: Index) -> None:
+        for name in stale:
+            idx.remote.pop(name, None)
+        idx.remote[pending_name(checkpoint_id, save_id, rank)] = {
+            "checkpoint_id": checkpoint_id,
+            "save_id": save_id,
+            "rank": rank,
+            "origin": origin,
+            "written_at": time.time(),
+        }
+
+    update_index(engine, change)
+    return deleted

@@ -14,6 +14,7 @@ import datetime
 import io
 import logging
 import os
+import socket
 import time
 import uuid
 import warnings
@@ -41,7 +42,15 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .catalog import mark_pending, publish, read_lease, release_lease, renew_lease
+from .catalog import (
+    mark_pending,
+    publish,
+    read_index,
+    read_lease,
+    release_lease,
+    renew_lease,
+    tidy_remote_store,
+)
 from .engines.base import Engine
 from .errors import (
     CheckpointNotFoundError,
@@ -92,6 +101,18 @@ class _PlanData:
     rank: int
     session: str | None = None  # the store's session id when the save started
     replicas: tuple[int, ...] = ()  # tiers (``kvckpt.Tiers``) this save is copied to
+    #: a node-local engine: the coordinator's store (``_store_identity``) and the saves it
+    #: keeps, so that ranks writing to another node's store can trim it (``tidy_remote_store``)
+    origin: str | None = None
+    live: tuple[tuple[str, str], ...] = ()
+
+
+def _store_identity(engine: Engine) -> str | None:
+    """Which physical store a node-local engine is (None for a shared one): two ranks whose
+    identities differ write to different stores."""
+    if engine.shared:
+        return None
+    return f"{socket.gethostname()}|{engine.url}"
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -256,14 +277,30 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         session = None
+        origin, live = None, ()
         if self.use_collectives:
             # Registered before any rank writes data, so gc never mistakes it for garbage.
             mark_pending(self.engine, self._require_id(), self.save_id, None, self.lease)
             session = self._session_id()
+            origin = _store_identity(self.engine)
+            if origin is not None and len(plans) > 1:
+                index = read_index(self.engine)
+                live = tuple(
+                    sorted(
+                        (e["checkpoint_id"], e["save_id"])
+                        for part in (index.checkpoints, index.pending, index.retired)
+                        for e in part.values()
+                        if isinstance(e.get("checkpoint_id"), str)
+                        and isinstance(e.get("save_id"), str)
+                    )
+                )
         return [
             plan
             if isinstance(plan.storage_data, _PlanData)
-            else dataclasses.replace(plan, storage_data=_PlanData(self.save_id, rank, session))
+            else dataclasses.replace(
+                plan,
+                storage_data=_PlanData(self.save_id, rank, session, origin=origin, live=live),
+            )
             for rank, plan in enumerate(plans)
         ]
 
@@ -271,6 +308,17 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         checkpoint_id = self._require_id()
         where: _PlanData = plan.storage_data
         self.save_id = where.save_id
+        if where.origin is not None and _store_identity(self.engine) != where.origin:
+            # This rank's node-local store is not the coordinator's: it holds no metadata, so
+            # its own bookkeeping is what lets retention reach it (and gc leave it alone).
+            tidy_remote_store(
+                self.engine,
+                origin=where.origin,
+                live=set(where.live),
+                checkpoint_id=checkpoint_id,
+                save_id=where.save_id,
+                rank=where.rank,
+            )
         part_bytes = self.part_bytes
         prefix = self.engine.prefix
         results: list[WriteResult] = []

@@ -218,3 +218,14 @@ def racing_load_worker(rank: int, world_size: int, port: int, url: str, flag: st
     dcp.load(out, storage_reader=KVStorageReader(url, checkpoint_id="race"))
     assert torch.equal(out["t"], torch.full((64,), 2.0))
     _finish()
+
+
+def two_node_lmdb_worker(rank: int, world_size: int, port: int, base: str) -> None:
+    """Each rank saves into its own "node's" LMDB store (rank 0's is the coordinator's), four
+    checkpoints with keep_last=1."""
+    _init(rank, world_size, port)
+    url = f"lmdb://{base}/node{rank}"
+    for step in range(4):
+        sd = {f"r{rank}": torch.full((1 << 12,), float(step)), "shared": torch.zeros(4)}
+        dcp.save(sd, storage_writer=KVStorageWriter(url, keep_last=1), checkpoint_id=f"step-{step}")
+    _finish()

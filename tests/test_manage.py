@@ -175,3 +175,29 @@ def test_ttl_expires_the_whole_checkpoint(redis_url: str) -> None:
 def test_ttl_on_lmdb_is_refused(lmdb_url: str) -> None:
     with pytest.raises(ValueError, match="Redis"):
         KVStorageWriter(lmdb_url, ttl=10)
+
+
+def test_keep_last_reaches_the_other_nodes_lmdb_stores(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Two "nodes", each with its own LMDB store: rank 0's holds the metadata; rank 1's only
+    # its data. Retention on the coordinator reaches rank 1's store one save later, and gc run
+    # on that store (which holds no metadata) leaves the data it still needs alone.
+    import torch.multiprocessing as mp
+
+    from kvckpt.catalog import read_index
+    from kvckpt.format import data_prefix
+    from tests import _dist
+    from tests.conftest import free_port
+
+    mp.spawn(_dist.two_node_lmdb_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    coordinator, other = (open_store(f"lmdb://{tmp_path}/node{r}") for r in range(2))
+
+    def saves(engine) -> set[str]:  # type: ignore[no-untyped-def]
+        return {k.split("/")[2] for k in engine.scan(data_prefix(engine.prefix))}
+
+    assert [i.checkpoint_id for i in list_checkpoints(coordinator)] == ["step-3"]
+    assert saves(coordinator) == {"step-3"}
+    assert saves(other) == {"step-2", "step-3"}  # the previous one goes at the next save
+    assert {e["checkpoint_id"] for e in read_index(other).remote.values()} == {"step-2", "step-3"}
+    assert list_checkpoints(other) == []
+    assert gc(other).deleted_keys == 0
+    assert saves(other) == {"step-2", "step-3"}
