@@ -280,10 +280,9 @@ def gc(
     for name, p in stale.items():
         cid, save_id, rank = p.get("checkpoint_id"), p.get("save_id"), p.get("rank")
         if isinstance(cid, str) and isinstance(save_id, str):
-            head = data_prefix(engine.prefix, cid, save_id)
-            report.deleted_keys += engine.delete_prefix(head if rank is None else f"{head}{rank}/")
-            # A crashed writer's lease goes with its save, so the id can be saved again now.
-            release_lease(engine, cid, save_id, rank if isinstance(rank, int) else None)
+            report.deleted_keys += _drop_save_data(
+                engine, cid, save_id, rank if isinstance(rank, int) else None
+            )
         report.removed_incomplete.append(name)
     if stale or expired:
 
@@ -317,12 +316,20 @@ def gc(
     return report
 
 
+def _drop_save_data(engine: Engine, checkpoint_id: str, save_id: str, rank: int | None) -> int:
+    """Delete an uncommitted save's data (one rank's, for a rank-local save) and release its
+    write lease, so the id can be saved again at once. Returns the number of keys deleted."""
+    head = data_prefix(engine.prefix, checkpoint_id, save_id)
+    deleted = engine.delete_prefix(head if rank is None else f"{head}{rank}/")
+    release_lease(engine, checkpoint_id, save_id, rank)
+    return deleted
+
+
 def discard_save(engine: Engine, checkpoint_id: str, save_id: str) -> int:
     """Drop a collective save that will never commit (a failed copy of ``Tiers``): its data,
     its write lease and its pending entry, as ``gc`` does for a crashed writer's save.
     Returns the number of data keys deleted."""
-    deleted = engine.delete_prefix(data_prefix(engine.prefix, checkpoint_id, save_id))
-    release_lease(engine, checkpoint_id, save_id, None)
+    deleted = _drop_save_data(engine, checkpoint_id, save_id, None)
     update_index(
         engine, lambda idx: idx.pending.pop(pending_name(checkpoint_id, save_id, None), None)
     )
