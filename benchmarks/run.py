@@ -493,6 +493,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 fut = dcp.async_save(sd, storage_writer=writer, checkpoint_id=None)
                 blocked[name].append(time.perf_counter() - t0)
                 fut.result()
+                # The training steps between two saves. Without them the next save's staging
+                # races DCP's worker thread, which still holds the previous staged copy for a
+                # moment after the future resolves; whether that memory is free to be reused
+                # (warm pages) or not (fresh pages, faulted in) decides the next staging time.
+                del fut, writer
+                gc.collect()
+                time.sleep(0.25)
         for name, times in blocked.items():
             record(name, times, size)
         client.flushall()

@@ -79,6 +79,7 @@ from .urls import open_store, validate_name
 logger = logging.getLogger(__name__)
 
 _DEFAULT_BATCH_BYTES = 256 << 20
+_HOST_ALIGN = 64
 #: Values at least this large are checksummed on a worker thread, smaller ones inline.
 _ASYNC_HASH_BYTES = 1 << 20
 
@@ -503,6 +504,7 @@ class KVStorageReader(_KVStorageBase, StorageReader):
             bool(getattr(self.engine, "checksums_by_default", False)) if verify is None else verify
         )
         self.batch_bytes = batch_bytes
+        self._host: torch.Tensor | None = None  # host staging for GPU-bound reads
         self.lease = lease
         self.load_id = _new_save_id()
         self._record: CheckpointRecord | None = None
@@ -611,6 +613,7 @@ class KVStorageReader(_KVStorageBase, StorageReader):
             with gc_paused():
                 self._read_all(record, plan, planner)
         finally:
+            self._host = None
             self._release_lease()
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -643,9 +646,34 @@ class KVStorageReader(_KVStorageBase, StorageReader):
             if batch:
                 self._read_batch(batch)
 
+    def _host_buffer(self, items: list[_ItemRead]) -> None:
+        """Give each GPU-bound direct read a slice of one host buffer, reused across batches
+        (pinned where the GPU is CUDA, so the copy to the device runs at full speed)."""
+        offsets, size = [], 0
+        for item in items:
+            offsets.append(size)
+            size += -(-item.loc.nbytes // _HOST_ALIGN) * _HOST_ALIGN  # aligned for any dtype
+        host = self._host
+        if host is None or host.numel() < size:
+            self._host = host = None  # free the old one first
+            pin = torch.cuda.is_available() and any(item.target.is_cuda for item in items)
+            try:
+                host = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+            except RuntimeError:  # pinned memory is limited; pageable memory still works
+                host = torch.empty(size, dtype=torch.uint8)
+            self._host = host
+        for item, start in zip(items, offsets, strict=True):
+            item.host = host[start : start + item.loc.nbytes]
+            item.dest = (
+                memoryview(item.host.numpy()) if item.loc.nbytes else memoryview(bytearray())
+            )
+
     def _read_batch(self, batch: list[_ItemRead]) -> None:
         record = self._record
         assert record is not None
+        via_host = [item for item in batch if item.via_host]
+        if via_host:
+            self._host_buffer(via_host)
         direct = [item for item in batch if item.dest is not None]
         staged = [item for item in batch if item.dest is None]
         if direct:
@@ -801,6 +829,9 @@ class _ItemRead:
         self.remaining = len(self.ranges)
         self.buffer: torch.Tensor | None = None  # assembly of a multi-part staged item
         self.dest: memoryview | None = None
+        #: a direct read bound for another device (a GPU) lands here first (``_read_batch``)
+        self.via_host = False
+        self.host: torch.Tensor | None = None
         if index.offset is not None and len(reqs) == 1:
             self._try_direct()
 
@@ -810,22 +841,32 @@ class _ItemRead:
         if any(req.storage_offsets) or list(req.lengths) != sizes:
             return
         target = self.planner.resolve_tensor(req).detach()
-        if (
+        if not (
             target.dtype == dtype
             and target.is_contiguous()
-            and target.device.type == "cpu"
             and not target.is_conj()
             and not target.is_neg()
             and list(target.shape) == sizes
         ):
+            return
+        if target.device.type == "cpu":
             self.target = target
             self.dest = (
                 memoryview(target.reshape(-1).view(torch.uint8).numpy())
                 if target.numel()
                 else memoryview(bytearray())
             )
+        elif target.device.type != "meta" and not self.reader.engine.zero_copy_reads:
+            # A GPU tensor: the value is read through the engine's fast path into host memory
+            # and copied to the device once. (A zero-copy engine's staged path already copies
+            # straight from the store's memory to the device.)
+            self.target = target
+            self.via_host = True
 
     def commit(self) -> None:
+        if self.host is not None:
+            self.target.copy_(self.host.view(self.target.dtype).reshape(self.target.shape))
+            self.host = None
         self.planner.commit_tensor(self.reqs[0], self.target)
 
     def add_part(self, start: int, view: memoryview) -> None:

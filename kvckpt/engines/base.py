@@ -44,12 +44,16 @@ class Engine(ABC):
     - ``supports_ttl``: whether ``expire_at`` works (keys that expire by themselves).
     - ``checksums_by_default``: whether saves record, and loads verify, a checksum per value
       unless the user says otherwise (on where it costs little next to the transfer).
+    - ``zero_copy_reads``: whether ``get_many`` hands out views of the store's own memory. A
+      value bound for a GPU is then copied there straight from the store; without it, it is
+      read into a host buffer through ``get_into`` (a socket's fast path) and copied from there.
     """
 
     max_value_bytes: int = 1 << 30
     shared: bool = False
     supports_ttl: bool = False
     checksums_by_default: bool = False
+    zero_copy_reads: bool = False
 
     @property
     @abstractmethod

@@ -188,6 +188,7 @@ class LMDBEngine(Engine):
     &txn_bytes=1GiB]``"""
 
     shared = False
+    zero_copy_reads = True
 
     def __init__(
         self,
