@@ -46,3 +46,37 @@ def test_benchmark_smoke_run(tmp_path) -> None:
     assert {r["metric"] for r in data["ratios"]} >= {"LMDB load / DCP FileSystemReader shm"}
     assert (out / "results.md").read_text().startswith("| metric |")
     assert (out / "results.png").stat().st_size > 1000
+
+
+def test_redis_ceiling_smoke_run() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/redis_ceiling.py",
+            *("--size-mib", "4", "--part-mib", "1", "--repeats", "1"),
+            *("--io-threads", "1", "2", "--connections", "1", "2"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 4  # header + io-threads x connections
+
+
+def test_gpu_benchmark_without_a_gpu_says_so() -> None:
+    import torch
+
+    result = subprocess.run(
+        [sys.executable, "benchmarks/gpu.py", "--size-mib", "4", "--repeats", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if torch.cuda.is_available():
+        assert result.returncode == 0, result.stderr[-3000:]
+    else:
+        assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr

@@ -411,3 +411,33 @@ def test_reader_pinned_to_a_save_refuses_a_resaved_id(store_url: str, caplog) ->
     with load_fails(caplog, f"was re-saved.*not save {first}"):
         dcp.load(out, storage_reader=KVStorageReader(store_url, checkpoint_id="p", save_id=first))
     assert torch.equal(out["t"], torch.full((8,), 1.0))  # nothing was loaded
+
+
+def test_async_save_with_a_reused_dcp_stager(store_url: str) -> None:
+    """A DCP stager kept across saves (staging into one reused buffer, the way to cut the time
+    async_save blocks) works with kvckpt's writer: each checkpoint holds its own step's values."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))  # CPU: no pinning
+    sd = {"w": torch.zeros(1000), "b": torch.zeros(10, dtype=torch.bfloat16)}
+    try:
+        for step in (1, 2):
+            for t in sd.values():
+                t.fill_(step)
+            fut = dcp.async_save(
+                sd,
+                storage_writer=KVStorageWriter(store_url),
+                checkpoint_id=f"s{step}",
+                async_stager=stager,
+            )
+            fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse on newer torch
+            fut.result()
+    finally:
+        stager.close()
+    for step in (1, 2):
+        out = load(
+            {"w": torch.empty(1000), "b": torch.empty(10, dtype=torch.bfloat16)},
+            store_url,
+            f"s{step}",
+        )
+        assert all(torch.equal(t, torch.full_like(t, step)) for t in out.values())
