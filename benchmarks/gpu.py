@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import shutil
@@ -28,6 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).parent))
+from report import write_report
 from run import MIB, make_state_dict
 
 from kvckpt import KVStorageReader, KVStorageWriter
@@ -148,12 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv[1:] if argv is None else argv
     )
     table = "\n".join(rows)
-    print(f"{results['machine']}; {size / MIB:.0f} MiB state dict; medians of {args.repeats}")
-    print("times are ratios of seconds (lower is faster)\n" + table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu.json").write_text(json.dumps(results, indent=2))
-    (out / "gpu.md").write_text(table + "\n")
+    print(
+        f"{size / MIB:.0f} MiB state dict; medians of {args.repeats}; time ratios (lower is faster)"
+    )
+    write_report(args.out, "gpu", table, results.pop("machine"), results)
     return 0
 
 

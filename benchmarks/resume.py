@@ -27,13 +27,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from report import write_report  # noqa: E402
 
 from examples.train_resume import model_for  # noqa: E402
 from kvckpt.testing import RedisServer, torchrun_command  # noqa: E402
@@ -153,17 +154,13 @@ def main() -> None:
         f"torch {torch.__version__}; model: {params / 1e6:.1f}M parameters, about "
         f"{state_mib:.0f} MiB of checkpointed state; medians of {args.repeats}"
     )
-    print(table)
-    print(machine)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "resume.json").write_text(
-        json.dumps(
-            {"args": vars(args), "machine": machine, "summary": summary, "runs": results},
-            indent=1,
-        )
+    write_report(
+        args.out,
+        "resume",
+        table,
+        machine,
+        {"args": vars(args), "summary": summary, "runs": results},
     )
-    (out / "resume.md").write_text(f"{table}\n\n{machine}; {time.strftime('%Y-%m-%d')}\n")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from report import write_report  # noqa: E402
+
 from kvckpt import KVStorageReader, KVStorageWriter, open_store  # noqa: E402
 from kvckpt.testing import RedisClusterProcesses, RedisServer, free_port  # noqa: E402
 
@@ -117,14 +119,7 @@ def main() -> None:
         f"{platform.machine()}, {os.cpu_count()} cores, all servers and ranks on this one "
         f"machine; {args.mib_per_rank} MiB per rank; medians of {args.repeats}"
     )
-    print(table)
-    print(machine)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "scaling.json").write_text(
-        json.dumps({"args": vars(args), "machine": machine, "results": results}, indent=1)
-    )
-    (out / "scaling.md").write_text(f"{table}\n\n{machine}; {time.strftime('%Y-%m-%d')}\n")
+    write_report(args.out, "scaling", table, machine, {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":
