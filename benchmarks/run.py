@@ -155,17 +155,33 @@ class RawRedis:
             if self._line() != b"+OK":
                 raise RuntimeError("SET failed")
 
-    def get_into(self, items: list[tuple[bytes, memoryview]]) -> None:
-        self.sock.sendall(
-            b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k, _ in items)
-        )
+    def get_into(self, items: list[tuple[bytes, memoryview]], read_ahead: int = 16 * MIB) -> None:
+        """Pipelined GETs, at most ``read_ahead`` bytes of replies outstanding (at least one).
+
+        Sending every GET at once makes redis-server build all the replies in its output
+        buffer before the socket drains it, which more than halves throughput
+        (benchmarks/redis_ceiling.py); the best raw client keeps a window, as kvckpt does.
+        """
         crlf = memoryview(bytearray(2))
-        for _, dest in items:
+        sent = outstanding = 0
+        for i, (_, dest) in enumerate(items):
+            group = []
+            while sent < len(items) and (
+                sent <= i or outstanding + len(items[sent][1]) <= read_ahead
+            ):
+                group.append(items[sent][0])
+                outstanding += len(items[sent][1])
+                sent += 1
+            if group:
+                self.sock.sendall(
+                    b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in group)
+                )
             header = self._line()
             if int(header[1:]) != len(dest):
                 raise RuntimeError(f"unexpected reply {header[:20]!r}")
             self._read_into(dest)
             self._read_into(crlf)
+            outstanding -= len(dest)
 
 
 def tensor_parts(sd: dict[str, torch.Tensor], part: int) -> list[tuple[bytes, memoryview]]:

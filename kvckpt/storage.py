@@ -510,12 +510,14 @@ class KVStorageReader(_KVStorageBase, StorageReader):
         self._record: CheckpointRecord | None = None
         self._lease: contextlib.AbstractContextManager[Callable[[], None]] | None = None
         self._renew_lease: Callable[[], None] | None = None
+        self._global_error: Exception | None = None  # see _report_unreadable
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.checkpoint_id = _checkpoint_id(checkpoint_id)
         self.load_id = _new_save_id()
         self._record = None
+        self._global_error = None
         self._release_lease()
 
     def read_record(self, rank: int | None = None) -> CheckpointRecord:
@@ -570,8 +572,13 @@ class KVStorageReader(_KVStorageBase, StorageReader):
         # The lease comes first: whatever save the metadata then names keeps its data until
         # this load is done, even if retention or a re-save retires it meanwhile.
         self._take_lease()
+        rank = kwargs.get("rank")
         try:
-            self._record = self.read_record(kwargs.get("rank"))
+            self._record = self.read_record(rank)
+        except Exception as e:
+            self._release_lease()
+            self._report_unreadable(e, rank)
+            raise
         except BaseException:
             self._release_lease()
             raise
@@ -580,6 +587,21 @@ class KVStorageReader(_KVStorageBase, StorageReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _report_unreadable(self, error: Exception, rank: int | None) -> None:
+        """Log why a checkpoint cannot be loaded, once DCP has tried both of its ways.
+
+        DCP calls ``read_metadata()`` and, when that fails, ``read_metadata(rank=r)`` for a
+        rank-local checkpoint. torch before 2.13 swallows both errors and raises a bare
+        "metadata is None", so this log line is then the only place the user learns why. The
+        global read's error is the one that explains a missing or unreadable checkpoint; a
+        failure of the global read alone is not logged, since a rank-local checkpoint then loads.
+        """
+        if rank is None:
+            self._global_error = error
+            return
+        cause = self._global_error or error
+        logger.warning("kvckpt cannot load from %s: %s", self.engine.url, cause)
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any

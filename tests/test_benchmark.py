@@ -63,7 +63,7 @@ def test_redis_ceiling_smoke_run() -> None:
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
-    assert len(rows) == 1 + 4  # header + io-threads x connections
+    assert len(rows) == 1 + 8  # header + io-threads x connections x read-ahead (16, all)
 
 
 def test_gpu_benchmark_without_a_gpu_says_so() -> None:

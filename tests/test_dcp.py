@@ -23,6 +23,8 @@ from kvckpt import (
 )
 from kvckpt.format import meta_key
 
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
 
 def mixed_state_dict() -> dict:
     g = torch.Generator().manual_seed(0)
@@ -87,21 +89,15 @@ def load_fails(caplog: pytest.LogCaptureFixture, pattern: str):
     """A DCP call that must fail with the reader's error matching ``pattern``.
 
     torch >= 2.13 puts the reader's ``read_metadata`` error in the exception it raises. torch
-    2.10-2.12 catch it, log it as a warning ("Global metadata is not found") and raise a bare
-    "metadata is None"; there the logged warning must hold it.
+    2.10-2.12 swallow it and raise a bare "metadata is None"; there kvckpt's own warning
+    ("kvckpt cannot load from ...") must hold it.
     """
-    # torch's loggers may not propagate to the root logger pytest's caplog listens on
-    dcp_logger = logging.getLogger("torch.distributed.checkpoint")
-    caplog.handler.setLevel(logging.WARNING)
-    dcp_logger.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.WARNING), pytest.raises(BaseException) as info:
-            yield info
-    finally:
-        dcp_logger.removeHandler(caplog.handler)
+    with caplog.at_level(logging.WARNING, logger="kvckpt"), pytest.raises(BaseException) as info:
+        yield info
     text = str(info.value)
-    if "metadata is None" in text:
-        text += "\n" + caplog.text
+    if "metadata is None" in text and "failed:" not in text:
+        text = caplog.text
+        assert "kvckpt cannot load from" in text, text
     assert re.search(pattern, text, re.S), text
 
 
@@ -418,6 +414,11 @@ def test_async_save_with_a_reused_dcp_stager(store_url: str) -> None:
     async_save blocks) works with kvckpt's writer: each checkpoint holds its own step's values."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+    if TORCH_VERSION < (2, 13):
+        pytest.skip(
+            "torch 2.11's DefaultStager fails on its second stage() with DCP's own "
+            "FileSystemWriter too (KeyError: <class 'type'>)"
+        )
     stager = DefaultStager(StagingOptions(False, False, False, False))  # CPU: no pinning
     sd = {"w": torch.zeros(1000), "b": torch.zeros(10, dtype=torch.bfloat16)}
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+from collections.abc import Iterator
 
 import fakeredis
 import pytest
@@ -186,3 +187,74 @@ def test_lmdb_fork_during_a_transaction_is_refused_in_the_child(tmp_path) -> Non
     with engine._env.reading():
         assert _in_forked_child(refused) == 0
     assert engine.get("k") == b"v"
+
+
+@pytest.fixture
+def small_output_buffer(redis_server, redis_url: str) -> Iterator[str]:
+    """The shared test server, made to drop any client whose replies pile up past 8 MiB."""
+    client = redis_server.client()
+    before = client.config_get("client-output-buffer-limit")["client-output-buffer-limit"]
+    client.config_set("client-output-buffer-limit", "normal 8mb 8mb 0")
+    try:
+        yield redis_url
+    finally:
+        client.config_set("client-output-buffer-limit", before)
+        client.close()
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_redis_reads_request_only_read_ahead_bytes_at_a_time(
+    small_output_buffer: str, protocol: int
+) -> None:
+    """Reads keep at most ``read_ahead_bytes`` of GETs outstanding (and always the next two
+    values), so the server never holds a whole batch of replies: a server that drops clients
+    over 8 MiB of pending output serves a 40 MiB read with a 4 MiB read-ahead, and drops a
+    read whose read-ahead lets replies pile up."""
+    url = f"{small_output_buffer}?protocol={protocol}"
+    mib = 1 << 20
+    sizes = [mib] * 30 + [3 * mib, 0, 17] + [4096] * 2000 + [mib] * 2
+    values = [bytes([i % 251]) * n for i, n in enumerate(sizes)]
+    keys = [f"ra/{i}" for i in range(len(values))]
+    open_store(url).put_many(zip(keys, values, strict=True))
+    engine = open_store(f"{url}&read_ahead_bytes=4MiB")
+
+    bufs = [memoryview(bytearray(n)) for n in sizes] + [memoryview(bytearray(1))]
+    assert engine.get_into([*keys, "ra/missing"], bufs) == [*sizes, None]
+    assert all(bytes(b) == v for b, v in zip(bufs, values, strict=False))
+    assert collect(engine, [*keys, "ra/missing"]) == [*values, None]
+
+    greedy = open_store(f"{url}&read_ahead_bytes=1GiB")
+    with pytest.raises(StoreUnavailableError, match="cannot reach Redis"):
+        greedy.get_into(keys, [memoryview(bytearray(n)) for n in sizes])
+
+
+def test_redis_read_ahead_sends_groups_within_the_window() -> None:
+    """The request window's arithmetic, on a stand-in connection that records what is sent."""
+    from kvckpt.engines.redis import _GetRequests
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.sends: list[int] = []  # GETs per send
+
+        def send_packed_command(self, parts: list[bytearray], check_health: bool) -> None:
+            self.sends.append(bytes(parts[0]).count(b"GET"))
+
+    def replay(sizes: list[int], window: int) -> tuple[list[int], int]:
+        conn = Recorder()
+        keys = [f"k{i}" for i in range(len(sizes))]
+        requests = _GetRequests(conn, keys, sizes.__getitem__, window)
+        most = 0
+        for i in range(len(sizes)):
+            requests.send_ahead_of(i)
+            assert requests.sent >= min(len(sizes), i + 2)  # the next value is always asked for
+            most = max(most, requests.outstanding)
+            requests.received(i)
+        assert requests.outstanding == 0 and sum(conn.sends) == len(sizes)
+        return conn.sends, most
+
+    sends, most = replay([4 << 20] * 64, 16 << 20)  # 4 MiB parts: 4 in flight, one sent per reply
+    assert most == 16 << 20 and sends[0] == 4 and set(sends[1:]) == {1}
+    sends, most = replay([4096] * 10_000, 16 << 20)  # tiny values: few, large sends
+    assert most <= 16 << 20 and len(sends) < 30
+    sends, most = replay([64 << 20] * 4, 16 << 20)  # parts over the window: still two in flight
+    assert most == 128 << 20 and sends == [2, 1, 1]

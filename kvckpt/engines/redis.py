@@ -5,7 +5,11 @@ Why these choices:
 - Bulk values go through redis-py's connection pool but are framed by hand and sent with
   ``sendall`` on the caller's buffer (redis-py's hiredis packer would copy every value); small
   values are coalesced into one send so 10,000 tiny tensors are not 30,000 syscalls.
-- Batches are pipelined: one round trip per batch, not per key.
+- Batches are pipelined: one round trip per batch, not per key. Reads keep only
+  ``read_ahead_bytes`` (16 MiB) of GETs outstanding: Redis builds every reply it owes a client in
+  that client's output buffer, so a 1 GiB batch of GETs sent at once makes the server copy 1 GiB
+  into fresh memory before the socket drains it, which more than halves load speed
+  (``benchmarks/redis_ceiling.py --read-ahead-mib``) and holds that much server memory per reader.
 - A Redis server closes the connection on a value over 512 MiB (``proto-max-bulk-len``), so the
   engine advertises ``max_value_bytes`` (64 MiB by default) and the format layer splits items.
 - The commit is ``WATCH``/``MULTI``/``EXEC`` on keys that share a hash tag, so it stays one
@@ -47,6 +51,7 @@ REDIS_MAX_VALUE = 512 * _MIB
 #: Values smaller than this are copied into one send buffer instead of sent on their own.
 _COALESCE_BELOW = 64 * 1024
 _MAX_PIPELINE_KEYS = 4096
+DEFAULT_READ_AHEAD = 16 * _MIB
 _DELETE_BATCH = 1000
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
@@ -70,7 +75,8 @@ def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
                 f"Redis at {self.address} ({self.url}) is a read-only replica: save, delete and "
                 "gc through its primary"
             ) from None
-        except (redis.ConnectionError, redis.TimeoutError) as e:
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            # OSError: a socket error from the engine's own reads (_BulkReader), after retries
             raise StoreUnavailableError(
                 f"cannot reach Redis at {self.address} ({self.url}): {str(e).rstrip('.')}. "
                 "Is redis-server running and reachable from this host?"
@@ -79,12 +85,19 @@ def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
-def check_redis_options(url: str, part_bytes: int, wait_replicas: int, wait_timeout: float) -> None:
+def check_redis_options(
+    url: str, part_bytes: int, wait_replicas: int, wait_timeout: float, read_ahead_bytes: int
+) -> None:
     """The option checks shared by the single-server and the cluster engine."""
     if not 1 <= part_bytes <= REDIS_MAX_VALUE:
         raise InvalidURLError(
             f"part_bytes={part_bytes} in {mask_url(url)} must be between 1 and "
             f"{REDIS_MAX_VALUE} (a Redis server refuses larger values)"
+        )
+    if read_ahead_bytes < 1:
+        raise InvalidURLError(
+            f"read_ahead_bytes={read_ahead_bytes} in {mask_url(url)} must be at least 1 byte "
+            "(default 16MiB)"
         )
     if wait_replicas < 0 or wait_timeout <= 0:
         raise InvalidURLError(
@@ -96,10 +109,11 @@ class RedisEngine(Engine):
     """``redis://[user:password@]host[:port][/db]``, ``rediss://...`` (TLS), ``unix:///path.sock``.
 
     kvckpt's own query options: ``prefix`` (key namespace), ``part_bytes`` (largest value per
-    key, default 4MiB, at most 512MiB), ``pipeline_bytes`` (bytes per pipelined batch),
-    ``allow_eviction`` (accept an evicting ``maxmemory-policy``), ``wait_replicas`` and
-    ``wait_timeout`` (a save's data and its commit count only once that many replicas have
-    acknowledged them, ``WAIT``; default 0 replicas, 10 s).
+    key, default 4MiB, at most 512MiB), ``pipeline_bytes`` (bytes per pipelined batch of
+    writes), ``read_ahead_bytes`` (bytes of GET replies requested ahead of the one being read,
+    default 16MiB), ``allow_eviction`` (accept an evicting ``maxmemory-policy``),
+    ``wait_replicas`` and ``wait_timeout`` (a save's data and its commit count only once that
+    many replicas have acknowledged them, ``WAIT``; default 0 replicas, 10 s).
     Every other query option goes to redis-py (``ssl_ca_certs``, ``socket_timeout``, ...).
     """
 
@@ -120,13 +134,15 @@ class RedisEngine(Engine):
         allow_eviction: bool = False,
         wait_replicas: int = 0,
         wait_timeout: float = 10.0,
+        read_ahead_bytes: int = DEFAULT_READ_AHEAD,
     ) -> None:
-        check_redis_options(url, part_bytes, wait_replicas, wait_timeout)
+        check_redis_options(url, part_bytes, wait_replicas, wait_timeout, read_ahead_bytes)
         self._raw_url = url
         self._redis_url = redis_url or url
         self._prefix = validate_prefix(prefix)
         self.max_value_bytes = part_bytes
         self.pipeline_bytes = pipeline_bytes
+        self.read_ahead_bytes = read_ahead_bytes
         self.allow_eviction = allow_eviction
         self.wait_replicas = wait_replicas
         self.wait_timeout = wait_timeout
@@ -177,6 +193,7 @@ class RedisEngine(Engine):
                 self.allow_eviction,
                 self.wait_replicas,
                 self.wait_timeout,
+                self.read_ahead_bytes,
             ),
         )
 
@@ -261,11 +278,21 @@ class RedisEngine(Engine):
     @_translate_errors
     def get_many(self, keys: Sequence[str], consume: Consumer) -> None:
         def work(conn: Any) -> None:
+            # Value sizes are unknown here: assume a full part until replies say otherwise.
+            seen = [0, 0]  # values read, their bytes
+
+            def expected(_: int) -> int:
+                return seen[1] // seen[0] if seen[0] else self.max_value_bytes
+
             for start in range(0, len(keys), _MAX_PIPELINE_KEYS):
                 batch = keys[start : start + _MAX_PIPELINE_KEYS]
-                conn.send_packed_command([_pack_gets(batch)], check_health=False)
+                requests = _GetRequests(conn, batch, expected, self.read_ahead_bytes)
                 for i in range(len(batch)):
+                    requests.send_ahead_of(i)
                     value = conn.read_response(disable_decoding=True)
+                    requests.received(i)
+                    seen[0] += 1
+                    seen[1] += 0 if value is None else len(value)
                     consume(start + i, None if value is None else memoryview(value))
 
         self._with_connection(work)
@@ -280,20 +307,24 @@ class RedisEngine(Engine):
         def work(conn: Any) -> list[int | None]:
             sizes: list[int | None] = []
             for start in range(0, len(keys), _MAX_PIPELINE_KEYS):
-                batch = keys[start : start + _MAX_PIPELINE_KEYS]
-                packed = _pack_gets(batch)
+                stop = min(len(keys), start + _MAX_PIPELINE_KEYS)
 
-                def read_batch(
-                    start: int = start, batch: Sequence[str] = batch, packed: bytearray = packed
-                ) -> list[int | None]:
-                    conn.send_packed_command([packed], check_health=False)
+                def read_batch(start: int = start, stop: int = stop) -> list[int | None]:
+                    requests = _GetRequests(
+                        conn,
+                        keys[start:stop],
+                        lambda j: buffers[start + j].nbytes,
+                        self.read_ahead_bytes,
+                    )
                     reader = _BulkReader(conn._sock)
                     got = []
-                    for i in range(len(batch)):
-                        size = reader.read_bulk_into(buffers[start + i])
+                    for i in range(start, stop):
+                        requests.send_ahead_of(i - start)
+                        size = reader.read_bulk_into(buffers[i])
+                        requests.received(i - start)
                         got.append(size)
-                        if on_value is not None and size == buffers[start + i].nbytes:
-                            on_value(start + i)
+                        if on_value is not None and size == buffers[i].nbytes:
+                            on_value(i)
                     if reader.buffered():
                         raise redis.ConnectionError("unexpected bytes after the replies")
                     return got
@@ -438,19 +469,52 @@ def take_redis_options(opts: dict[str, str], url: str) -> dict[str, Any]:
         prefix=take_option(opts, "prefix", url, validate_prefix, DEFAULT_PREFIX),
         part_bytes=take_option(opts, "part_bytes", url, parse_size, 4 * _MIB),
         pipeline_bytes=take_option(opts, "pipeline_bytes", url, parse_size, 256 * _MIB),
+        read_ahead_bytes=take_option(opts, "read_ahead_bytes", url, parse_size, DEFAULT_READ_AHEAD),
         allow_eviction=take_option(opts, "allow_eviction", url, parse_bool, False),
         wait_replicas=take_option(opts, "wait_replicas", url, int, 0),
         wait_timeout=take_option(opts, "wait_timeout", url, float, 10.0),
     )
 
 
-def _pack_gets(keys: Sequence[str]) -> bytearray:
-    """One buffer of pipelined GET commands."""
-    packed = bytearray()
-    for key in keys:
-        k = key.encode()
-        packed += b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)
-    return packed
+class _GetRequests:
+    """Pipelined GETs sent a window ahead of the reply being read.
+
+    Keeps at most ``window`` bytes of expected replies outstanding (but always the next two
+    values, so a value larger than the window still overlaps with the next request), and sends
+    requests in groups once an eighth of the window is free, so 10,000 tiny values still cost
+    a few sends rather than one per key.
+    """
+
+    def __init__(
+        self, conn: Any, keys: Sequence[str], expected: Callable[[int], int], window: int
+    ) -> None:
+        self.conn = conn
+        self.keys = keys
+        self.expected = expected
+        self.window = window
+        self.sent = 0  # requests sent: keys[:sent]
+        self.sizes: dict[int, int] = {}  # expected size of each request sent, not yet received
+        self.outstanding = 0
+
+    def send_ahead_of(self, i: int) -> None:
+        """Make sure value ``i`` is requested, and enough after it to fill the window."""
+        if self.sent > i + 1 and self.window - self.outstanding < max(1, self.window // 8):
+            return
+        packed = bytearray()
+        while self.sent < len(self.keys):
+            size = self.expected(self.sent)
+            if self.sent > i + 1 and self.outstanding + size > self.window:
+                break
+            k = self.keys[self.sent].encode()
+            packed += b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)
+            self.sizes[self.sent] = size
+            self.outstanding += size
+            self.sent += 1
+        if packed:
+            self.conn.send_packed_command([packed], check_health=False)
+
+    def received(self, i: int) -> None:
+        self.outstanding -= self.sizes.pop(i)
 
 
 #: Transient connection errors (a dropped connection, a server restarting) are retried this
@@ -566,6 +630,7 @@ def _rebuild(
     allow_eviction: bool,
     wait_replicas: int = 0,
     wait_timeout: float = 10.0,
+    read_ahead_bytes: int = DEFAULT_READ_AHEAD,
 ) -> RedisEngine:
     return RedisEngine(
         raw_url,
@@ -576,4 +641,5 @@ def _rebuild(
         allow_eviction=allow_eviction,
         wait_replicas=wait_replicas,
         wait_timeout=wait_timeout,
+        read_ahead_bytes=read_ahead_bytes,
     )

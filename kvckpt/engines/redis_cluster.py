@@ -40,7 +40,13 @@ from ..urls import (
     validate_prefix,
 )
 from .base import BytesLike, Consumer, Engine, Update
-from .redis import _MIB, RedisEngine, check_redis_options, take_redis_options
+from .redis import (
+    _MIB,
+    DEFAULT_READ_AHEAD,
+    RedisEngine,
+    check_redis_options,
+    take_redis_options,
+)
 
 T = TypeVar("T")
 
@@ -100,8 +106,8 @@ class RedisClusterEngine(Engine):
     the rest are discovered) and ``rediss+cluster://`` for TLS.
 
     Options are those of the single-server engine (``prefix``, ``part_bytes``,
-    ``pipeline_bytes``, ``allow_eviction``, ``wait_replicas``, ``wait_timeout``, redis-py
-    connection options), applied to every primary.
+    ``pipeline_bytes``, ``read_ahead_bytes``, ``allow_eviction``, ``wait_replicas``,
+    ``wait_timeout``, redis-py connection options), applied to every primary.
     """
 
     shared = True
@@ -118,6 +124,7 @@ class RedisClusterEngine(Engine):
         allow_eviction: bool = False,
         wait_replicas: int = 0,
         wait_timeout: float = 10.0,
+        read_ahead_bytes: int = DEFAULT_READ_AHEAD,
         redis_options: dict[str, str] | None = None,
     ) -> None:
         parts, _ = split_options(url)
@@ -133,7 +140,7 @@ class RedisClusterEngine(Engine):
                     f"commas, not {item!r}"
                 )
             self.startup.append((host.strip("[]"), int(port)))
-        check_redis_options(url, part_bytes, wait_replicas, wait_timeout)
+        check_redis_options(url, part_bytes, wait_replicas, wait_timeout, read_ahead_bytes)
         self._raw_url = url
         self.tls = parts.scheme == "rediss+cluster"
         self.username = unquote(parts.username) if parts.username else None
@@ -143,6 +150,7 @@ class RedisClusterEngine(Engine):
         self._prefix = validate_prefix(prefix)
         self.max_value_bytes = part_bytes
         self.pipeline_bytes = pipeline_bytes
+        self.read_ahead_bytes = read_ahead_bytes
         self.allow_eviction = allow_eviction
         self.wait_replicas = wait_replicas
         self.wait_timeout = wait_timeout
@@ -212,6 +220,7 @@ class RedisClusterEngine(Engine):
                 prefix=self._prefix,
                 part_bytes=self.max_value_bytes,
                 pipeline_bytes=self.pipeline_bytes,
+                read_ahead_bytes=self.read_ahead_bytes,
                 allow_eviction=self.allow_eviction,
                 wait_replicas=self.wait_replicas,
                 wait_timeout=self.wait_timeout,
