@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import pickle
-import re
 
 import pytest
 import torch
@@ -22,6 +19,7 @@ from kvckpt import (
     open_store,
 )
 from kvckpt.format import meta_key
+from tests._errors import load_fails
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
@@ -82,23 +80,6 @@ def assert_bit_equal(a, b, path="sd") -> None:
             assert_bit_equal(x, y, f"{path}[{i}]")
     else:
         assert a == b, path
-
-
-@contextlib.contextmanager
-def load_fails(caplog: pytest.LogCaptureFixture, pattern: str):
-    """A DCP call that must fail with the reader's error matching ``pattern``.
-
-    torch >= 2.13 puts the reader's ``read_metadata`` error in the exception it raises. torch
-    2.10-2.12 swallow it and raise a bare "metadata is None"; there kvckpt's own warning
-    ("kvckpt cannot load from ...") must hold it.
-    """
-    with caplog.at_level(logging.WARNING, logger="kvckpt"), pytest.raises(BaseException) as info:
-        yield info
-    text = str(info.value)
-    if "metadata is None" in text and "failed:" not in text:
-        text = caplog.text
-        assert "kvckpt cannot load from" in text, text
-    assert re.search(pattern, text, re.S), text
 
 
 def save(sd, url, cid="step-1", **kw):

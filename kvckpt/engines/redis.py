@@ -170,7 +170,8 @@ class RedisEngine(Engine):
         opts.setdefault("socket_connect_timeout", "10")
         opts.setdefault("socket_timeout", "300")
         query = "&".join(f"{k}={v}" for k, v in opts.items())
-        redis_url = parts._replace(query=query).geturl()
+        # geturl() would drop the "//" of unix:///path (an empty host), which redis-py refuses
+        redis_url = f"{parts.scheme}://{parts.netloc}{parts.path}?{query}"
         return cls(url, redis_url=redis_url, **ours)
 
     @property
