@@ -74,6 +74,7 @@ from .format import (
     part_ranges,
 )
 from .manage import NEVER, gc
+from .staging import advise_huge_pages
 from .urls import open_store, validate_name
 
 logger = logging.getLogger(__name__)
@@ -242,6 +243,18 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         self.committed_at: float | None = None
 
     # -- DCP StorageWriter -------------------------------------------------------------------
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``dcp.async_save``'s blocking copy: DCP's own, into buffers that ask for huge pages
+        (kvckpt/staging.py says why). A cached staging copy is DCP's, unchanged."""
+        if self.cache_staged_state_dict:
+            return BlockingAsyncStager.stage(self, state_dict)
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        staged = _create_cpu_state_dict(state_dict)
+        advise_huge_pages(staged)
+        _copy_state_dict(state_dict, staged, type_check=self.type_check)
+        return staged
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
