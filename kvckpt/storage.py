@@ -190,6 +190,10 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
             lease is held; a crashed writer's lease lapses after this long.
         cache_staged_state_dict: reuse one staging copy across ``dcp.async_save`` calls (as
             DCP's ``FileSystemWriter``).
+        huge_pages: ask the kernel for transparent huge pages on ``dcp.async_save``'s staging
+            copy (Linux). Saves after the first block 2.3x less (fewer page faults), but the
+            first one in a process can stall while the kernel compacts memory for huge pages
+            (1.9 s instead of 0.45 s for 1 GiB on the development VM). False: DCP's staging.
     """
 
     def __init__(
@@ -203,9 +207,11 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         checksums: bool | None = None,
         lease: float = 60.0,
         cache_staged_state_dict: bool = False,
+        huge_pages: bool = True,
     ) -> None:
         super().__init__()
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        self.huge_pages = huge_pages
         self.engine = open_store(store)
         self.checkpoint_id = _checkpoint_id(checkpoint_id)
         self.overwrite = overwrite
@@ -246,8 +252,9 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``dcp.async_save``'s blocking copy: DCP's own, into buffers that ask for huge pages
-        (kvckpt/staging.py says why). A cached staging copy is DCP's, unchanged."""
-        if self.cache_staged_state_dict:
+        (kvckpt/staging.py says why). Without ``huge_pages``, or with a cached staging copy,
+        DCP's, unchanged."""
+        if self.cache_staged_state_dict or not self.huge_pages:
             return BlockingAsyncStager.stage(self, state_dict)
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 

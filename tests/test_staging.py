@@ -78,3 +78,10 @@ def test_advice_skips_what_it_cannot_use() -> None:
     assert advise_huge_pages({"t": torch.empty(1000)}) == 0
     n = advise_huge_pages({"t": torch.empty((5 << 20) // 4)})  # 5 MiB: 1 or 2 whole pages
     assert n in (2 << 20, 4 << 20)
+
+
+def test_huge_pages_off_is_dcp_staging(tmp_path: Path) -> None:
+    writer = KVStorageWriter(f"lmdb://{tmp_path / 's'}", huge_pages=False)
+    staged = writer.stage({"big": torch.randn(8 << 20)})
+    if kernel_gives_huge_pages() and "[always]" not in THP.read_text():
+        assert anon_huge_kib(staged["big"]) == 0
