@@ -4,13 +4,15 @@ The copy goes into freshly allocated host memory, and on Linux the cost of that 
 kernel faulting in and zeroing 4 KiB pages, one trap per page: a 1 GiB copy ran at 1.1 GB/s on
 the development VM, against 12 GB/s for a copy into memory already in use. Asking for
 transparent huge pages on the staging buffers (``madvise(MADV_HUGEPAGE)``, which is what a
-kernel in THP "madvise" mode, the common default, waits for) makes that one fault per 2 MiB:
-2.3x less blocking per save there (medians of 7 saves of 1 GiB). The price: the first save of a
-process can stall while the kernel compacts memory into free 2 MiB blocks (1.9 s instead of
-0.45 s there), and later ones now and then (0.6 s); ``KVStorageWriter(huge_pages=False)`` turns
-it off. The buffers, their layout and their lifetime are DCP's own; this only adds the hint,
-and does nothing where the kernel does not support it (THP "always" mode already gives DCP's
-buffers huge pages; "never" gives none).
+kernel in THP "madvise" mode, the common default, waits for) makes that one fault per 2 MiB.
+That is opt-in (``KVStorageWriter(huge_pages=True)``) because of how it measured there (7 saves
+of 1 GiB, benchmarks/run.py): the median save blocked 2.5x less, but the kernel now and then
+stalls a fault to compact memory into free 2 MiB blocks (saves of 0.8-2.2 s against DCP's
+0.4-0.5 s, most with an LMDB store filling /dev/shm), so the total blocking time came out
+anywhere from 0.9x to 1.7x DCP's. Nodes with free huge pages gain; fragmented ones can lose. The
+buffers, their layout and their lifetime are DCP's own; this only adds the hint, and does
+nothing where the kernel does not support it (THP "always" mode already gives DCP's buffers
+huge pages; "never" gives none).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def test_staging_copy_asks_for_huge_pages(tmp_path: Path) -> None:
     """The staged copy of a large tensor lands on huge pages where the kernel offers them, and
     is bit-exact; the async save made from it loads back."""
     sd = {"big": torch.randn(8 << 20), "small": torch.arange(10), "nested": [torch.ones(3)]}
-    writer = KVStorageWriter(f"lmdb://{tmp_path / 's'}")
+    writer = KVStorageWriter(f"lmdb://{tmp_path / 's'}", huge_pages=True)
     staged = writer.stage(sd)
     pairs = zip(local_tensors(sd), local_tensors(staged), strict=True)
     assert all(torch.equal(x, y) for x, y in pairs)
@@ -80,8 +80,8 @@ def test_advice_skips_what_it_cannot_use() -> None:
     assert n in (2 << 20, 4 << 20)
 
 
-def test_huge_pages_off_is_dcp_staging(tmp_path: Path) -> None:
-    writer = KVStorageWriter(f"lmdb://{tmp_path / 's'}", huge_pages=False)
+def test_huge_pages_off_by_default_is_dcp_staging(tmp_path: Path) -> None:
+    writer = KVStorageWriter(f"lmdb://{tmp_path / 's'}")
     staged = writer.stage({"big": torch.randn(8 << 20)})
     if kernel_gives_huge_pages() and "[always]" not in THP.read_text():
         assert anon_huge_kib(staged["big"]) == 0
