@@ -50,7 +50,9 @@ def test_local_tensors_walks_nested_state_dicts() -> None:
 def test_staging_copy_asks_for_huge_pages(tmp_path: Path) -> None:
     """The staged copy of a large tensor lands on huge pages where the kernel offers them, and
     is bit-exact; the async save made from it loads back."""
-    sd = {"big": torch.randn(8 << 20), "small": torch.arange(10), "nested": [torch.ones(3)]}
+    # 80 MiB: above glibc's largest mmap threshold (32 MiB), so the staging buffer is fresh
+    # memory even in a long test run (a smaller one may reuse pages an earlier test touched)
+    sd = {"big": torch.randn(20 << 20), "small": torch.arange(10), "nested": [torch.ones(3)]}
     writer = KVStorageWriter(f"lmdb://{tmp_path / 's'}", huge_pages=True)
     staged = writer.stage(sd)
     pairs = zip(local_tensors(sd), local_tensors(staged), strict=True)
@@ -63,7 +65,7 @@ def test_staging_copy_asks_for_huge_pages(tmp_path: Path) -> None:
     fut = dcp.async_save(sd, storage_writer=writer, checkpoint_id="a")
     getattr(fut, "upload_completion", fut).result()
     out = {
-        "big": torch.zeros(8 << 20),
+        "big": torch.zeros(20 << 20),
         "small": torch.zeros(10, dtype=torch.long),
         "nested": [torch.zeros(3)],
     }
