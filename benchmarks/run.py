@@ -399,61 +399,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         close_idle_environments()
         shutil.rmtree(steady.removeprefix("lmdb://"))
 
-        # kvckpt Redis
-        record(
-            "kv_redis_save",
-            timed(
-                lambda: dcp.save(sd, storage_writer=KVStorageWriter(redis_url), checkpoint_id="r"),
-                reps,
-                setup=client.flushall,
-            ),
-            size,
-        )
-        dcp.save(sd, storage_writer=KVStorageWriter(redis_url), checkpoint_id="r")
-        record(
-            "kv_redis_load",
-            timed(
-                lambda: dcp.load(
-                    dest, storage_reader=KVStorageReader(redis_url), checkpoint_id="r"
+        # kvckpt Redis, over TCP and over a Unix socket (a Redis on the same node)
+        for name, url, loads in (
+            ("kv_redis", redis_url, {"load": {}, "load_noverify": {"verify": False}}),
+            ("kv_redis_unix", unix_url, {"load": {}}),
+        ):
+            record(
+                f"{name}_save",
+                timed(
+                    lambda u=url: dcp.save(
+                        sd, storage_writer=KVStorageWriter(u), checkpoint_id="r"
+                    ),
+                    reps,
+                    setup=client.flushall,
                 ),
-                reps,
-            ),
-            size,
-        )
-        record(
-            "kv_redis_load_noverify",
-            timed(
-                lambda: dcp.load(
-                    dest, storage_reader=KVStorageReader(redis_url, verify=False), checkpoint_id="r"
-                ),
-                reps,
-            ),
-            size,
-        )
-        check(sd, dest)
-        client.flushall()
-
-        # kvckpt Redis over a Unix socket (a Redis on the same node)
-        record(
-            "kv_redis_unix_save",
-            timed(
-                lambda: dcp.save(sd, storage_writer=KVStorageWriter(unix_url), checkpoint_id="u"),
-                reps,
-                setup=client.flushall,
-            ),
-            size,
-        )
-        dcp.save(sd, storage_writer=KVStorageWriter(unix_url), checkpoint_id="u")
-        record(
-            "kv_redis_unix_load",
-            timed(
-                lambda: dcp.load(dest, storage_reader=KVStorageReader(unix_url), checkpoint_id="u"),
-                reps,
-            ),
-            size,
-        )
-        check(sd, dest)
-        client.flushall()
+                size,
+            )
+            dcp.save(sd, storage_writer=KVStorageWriter(url), checkpoint_id="r")
+            for suffix, options in loads.items():
+                record(
+                    f"{name}_{suffix}",
+                    timed(
+                        lambda u=url, o=options: dcp.load(
+                            dest, storage_reader=KVStorageReader(u, **o), checkpoint_id="r"
+                        ),
+                        reps,
+                    ),
+                    size,
+                )
+            check(sd, dest)
+            client.flushall()
 
         # 10,000 small tensors: save + load wall time
         small = {f"p{i}": torch.rand(1024) for i in range(args.small_tensors)}
