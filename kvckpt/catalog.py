@@ -99,6 +99,19 @@ class Index:
             optional.append(value)
         return cls(doc["checkpoints"], doc["pending"], *optional)
 
+    def live_saves(self, *, remote: bool = False) -> set[tuple[str, str]]:
+        """(checkpoint id, save id) of every save whose data must stay: committed, pending and
+        retired ones, and with ``remote`` those other nodes' ranks recorded here."""
+        parts = [self.checkpoints, self.pending, self.retired]
+        if remote:
+            parts.append(self.remote)
+        return {
+            (e["checkpoint_id"], e["save_id"])
+            for part in parts
+            for e in part.values()
+            if isinstance(e.get("checkpoint_id"), str) and isinstance(e.get("save_id"), str)
+        }
+
     def encode(self) -> bytes:
         return msgpack.packb(
             {

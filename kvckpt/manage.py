@@ -305,10 +305,7 @@ def gc(
             if save is not None:
                 found[save].append(key)
         index = read_index(engine)
-        live = {(e.get("checkpoint_id"), e.get("save_id")) for e in index.checkpoints.values()}
-        live |= {(p.get("checkpoint_id"), p.get("save_id")) for p in index.pending.values()}
-        live |= {(r.get("checkpoint_id"), r.get("save_id")) for r in index.retired.values()}
-        live |= {(r.get("checkpoint_id"), r.get("save_id")) for r in index.remote.values()}
+        live = index.live_saves(remote=True)
         for save, keys in found.items():
             if save not in live:
                 report.deleted_keys += engine.delete(keys)

@@ -306,16 +306,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
             session = self._session_id()
             origin = _store_identity(self.engine)
             if origin is not None and len(plans) > 1:
-                index = read_index(self.engine)
-                live = tuple(
-                    sorted(
-                        (e["checkpoint_id"], e["save_id"])
-                        for part in (index.checkpoints, index.pending, index.retired)
-                        for e in part.values()
-                        if isinstance(e.get("checkpoint_id"), str)
-                        and isinstance(e.get("save_id"), str)
-                    )
-                )
+                live = tuple(sorted(read_index(self.engine).live_saves()))
         return [
             plan
             if isinstance(plan.storage_data, _PlanData)

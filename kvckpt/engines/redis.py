@@ -279,11 +279,11 @@ class RedisEngine(Engine):
     @_translate_errors
     def get_many(self, keys: Sequence[str], consume: Consumer) -> None:
         def work(conn: Any) -> None:
-            # Value sizes are unknown here: assume a full part until replies say otherwise.
-            seen = [0, 0]  # values read, their bytes
+            # Value sizes are unknown here: a full part until replies give an average.
+            count = total = 0
 
             def expected(_: int) -> int:
-                return seen[1] // seen[0] if seen[0] else self.max_value_bytes
+                return total // count if count else self.max_value_bytes
 
             for start in range(0, len(keys), _MAX_PIPELINE_KEYS):
                 batch = keys[start : start + _MAX_PIPELINE_KEYS]
@@ -292,8 +292,8 @@ class RedisEngine(Engine):
                     requests.send_ahead_of(i)
                     value = conn.read_response(disable_decoding=True)
                     requests.received(i)
-                    seen[0] += 1
-                    seen[1] += 0 if value is None else len(value)
+                    count += 1
+                    total += 0 if value is None else len(value)
                     consume(start + i, None if value is None else memoryview(value))
 
         self._with_connection(work)
