@@ -102,6 +102,27 @@ def timed(
     return times
 
 
+def take_turns(
+    cases: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]], repeats: int
+) -> dict[str, list[float]]:
+    """Time ``{name: (fn, setup)}``, one repeat of each case in turn, ``repeats`` rounds.
+
+    For cases whose ratio is a target: this VM's timings drift and jump during a run (loopback
+    Redis loads came in two clusters, ~105 and ~155 ms, whichever client ran), and cases timed
+    in blocks one after another would each catch a different part of that drift.
+    """
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, (fn, setup) in cases.items():
+            if setup is not None:
+                setup()
+            gc.collect()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 # -- raw baselines ------------------------------------------------------------------------------
 
 
@@ -292,21 +313,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         record("torch_load_shm", timed(lambda: torch.load(pt, weights_only=True), reps), size)
         pt.unlink()
 
-        # raw Redis
-        raw = RawRedis(server.port)
-        part = int(kvckpt.open_store(redis_url).max_value_bytes)
-        items = tensor_parts(sd, part)
-        record(
-            "raw_redis_set", timed(lambda: raw.set_many(items), reps, setup=client.flushall), size
-        )
-        raw.set_many(items)
-        dest_items = [
-            (k, d) for (k, _), (_, d) in zip(items, tensor_parts(dest, part), strict=True)
-        ]
-        record("raw_redis_get_into", timed(lambda: raw.get_into(dest_items), reps), size)
-        check(sd, dest)
-        client.flushall()
-
         # raw LMDB
         views = [(k, v) for k, v in tensor_parts(sd, 1 << 30)]
         envs: list[lmdb.Environment] = []
@@ -374,61 +380,75 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             size,
         )
         latest = kvckpt.latest_checkpoint(steady)
-        record(
-            "kv_lmdb_load",
-            timed(
-                lambda: dcp.load(
-                    dest, storage_reader=KVStorageReader(steady), checkpoint_id=latest
-                ),
-                reps,
-            ),
-            size,
-        )
-        check(sd, dest)
         dcp.save(sd, storage_writer=KVStorageWriter(steady, checksums=True), checkpoint_id="sum")
-        record(
-            "kv_lmdb_load_verify",
-            timed(
-                lambda: dcp.load(
-                    dest, storage_reader=KVStorageReader(steady, verify=True), checkpoint_id="sum"
+        lmdb_loads = take_turns(
+            {
+                "kv_lmdb_load": (
+                    lambda: dcp.load(
+                        dest, storage_reader=KVStorageReader(steady), checkpoint_id=latest
+                    ),
+                    None,
                 ),
-                reps,
-            ),
-            size,
+                "kv_lmdb_load_verify": (
+                    lambda: dcp.load(
+                        dest,
+                        storage_reader=KVStorageReader(steady, verify=True),
+                        checkpoint_id="sum",
+                    ),
+                    None,
+                ),
+            },
+            reps,
         )
+        for name, times in lmdb_loads.items():
+            record(name, times, size)
+        check(sd, dest)
         close_idle_environments()
         shutil.rmtree(steady.removeprefix("lmdb://"))
 
-        # kvckpt Redis, over TCP and over a Unix socket (a Redis on the same node)
-        for name, url, loads in (
-            ("kv_redis", redis_url, {"load": {}, "load_noverify": {"verify": False}}),
-            ("kv_redis_unix", unix_url, {"load": {}}),
-        ):
-            record(
-                f"{name}_save",
-                timed(
-                    lambda u=url: dcp.save(
-                        sd, storage_writer=KVStorageWriter(u), checkpoint_id="r"
-                    ),
-                    reps,
-                    setup=client.flushall,
-                ),
-                size,
+        # Redis: the raw-socket client and kvckpt over TCP and over a Unix socket (a Redis on
+        # the same node), taking turns.
+        raw = RawRedis(server.port)
+        part = int(kvckpt.open_store(redis_url).max_value_bytes)
+        items = tensor_parts(sd, part)
+        dest_items = [
+            (k, d) for (k, _), (_, d) in zip(items, tensor_parts(dest, part), strict=True)
+        ]
+
+        def kv_save(url: str) -> Callable[[], Any]:
+            return lambda: dcp.save(sd, storage_writer=KVStorageWriter(url), checkpoint_id="r")
+
+        def kv_load(url: str, **options: Any) -> Callable[[], Any]:
+            return lambda: dcp.load(
+                dest, storage_reader=KVStorageReader(url, **options), checkpoint_id="r"
             )
-            dcp.save(sd, storage_writer=KVStorageWriter(url), checkpoint_id="r")
-            for suffix, options in loads.items():
-                record(
-                    f"{name}_{suffix}",
-                    timed(
-                        lambda u=url, o=options: dcp.load(
-                            dest, storage_reader=KVStorageReader(u, **o), checkpoint_id="r"
-                        ),
-                        reps,
-                    ),
-                    size,
-                )
-            check(sd, dest)
-            client.flushall()
+
+        redis_saves = take_turns(
+            {
+                "raw_redis_set": (lambda: raw.set_many(items), client.flushall),
+                "kv_redis_save": (kv_save(redis_url), client.flushall),
+                "kv_redis_unix_save": (kv_save(unix_url), client.flushall),
+            },
+            reps,
+        )
+        for name, times in redis_saves.items():
+            record(name, times, size)
+        client.flushall()
+        raw.set_many(items)  # the raw client's keys and kvckpt's checkpoint, side by side
+        kv_save(redis_url)()
+        redis_loads = take_turns(
+            {
+                "raw_redis_get_into": (lambda: raw.get_into(dest_items), None),
+                "kv_redis_load": (kv_load(redis_url), None),
+                "kv_redis_load_noverify": (kv_load(redis_url, verify=False), None),
+                "kv_redis_unix_load": (kv_load(unix_url), None),
+            },
+            reps,
+        )
+        for name, times in redis_loads.items():
+            record(name, times, size)
+        check(sd, dest)
+        client.flushall()
 
         # 10,000 small tensors: save + load wall time
         small = {f"p{i}": torch.rand(1024) for i in range(args.small_tensors)}
@@ -440,41 +460,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             dcp.load(small_dest, storage_reader=make_reader())
 
         small_dir: list[Path] = []
-        record(
-            "small_dcp_fs_shm",
-            timed(
-                lambda: round_trip(
-                    lambda: dcp.FileSystemWriter(small_dir[-1]),
-                    lambda: dcp.FileSystemReader(small_dir[-1]),
-                ),
-                reps,
-                setup=lambda: small_dir.append(fresh(scratch)),
-            ),
-            small_size,
-        )
         small_lmdb = f"lmdb://{fresh(scratch)}"
-        record(
-            "small_kv_lmdb",
-            timed(
-                lambda: round_trip(
-                    lambda: KVStorageWriter(small_lmdb, checkpoint_id="s"),
-                    lambda: KVStorageReader(small_lmdb, checkpoint_id="s"),
+        small_times = take_turns(
+            {
+                "small_dcp_fs_shm": (
+                    lambda: round_trip(
+                        lambda: dcp.FileSystemWriter(small_dir[-1]),
+                        lambda: dcp.FileSystemReader(small_dir[-1]),
+                    ),
+                    lambda: small_dir.append(fresh(scratch)),
                 ),
-                reps,
-            ),
-            small_size,
-        )
-        record(
-            "small_kv_redis",
-            timed(
-                lambda: round_trip(
-                    lambda: KVStorageWriter(redis_url, checkpoint_id="s"),
-                    lambda: KVStorageReader(redis_url, checkpoint_id="s"),
+                "small_kv_lmdb": (
+                    lambda: round_trip(
+                        lambda: KVStorageWriter(small_lmdb, checkpoint_id="s"),
+                        lambda: KVStorageReader(small_lmdb, checkpoint_id="s"),
+                    ),
+                    None,
                 ),
-                reps,
-            ),
-            small_size,
+                "small_kv_redis": (
+                    lambda: round_trip(
+                        lambda: KVStorageWriter(redis_url, checkpoint_id="s"),
+                        lambda: KVStorageReader(redis_url, checkpoint_id="s"),
+                    ),
+                    None,
+                ),
+            },
+            reps,
         )
+        for name, times in small_times.items():
+            record(name, times, small_size)
         check(small, small_dest)
         client.flushall()
 

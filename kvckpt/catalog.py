@@ -26,6 +26,7 @@ from .format import (
     CheckpointRecord,
     ItemLocation,
     data_prefix,
+    decode_data_keys,
     decode_metadata,
     encode_metadata,
     meta_key,
@@ -475,12 +476,14 @@ def publish(
         )
     if replaced is not None and deletable:
         try:
-            old = decode_metadata(replaced, where=f"replaced checkpoint {checkpoint_id!r}")
+            old_keys = decode_data_keys(
+                replaced, engine.prefix, where=f"replaced checkpoint {checkpoint_id!r}"
+            )
         except MetadataError as e:
             logger.warning("not deleting the data of a replaced save: %s (run gc)", e)
         else:
-            if old.save_id != save_id:
-                engine.delete(old.data_keys(engine.prefix))
+            # (none if the metadata replaced was this save's own: a commit retried)
+            engine.delete(key for key in old_keys if f"/{save_id}/" not in key)
     try:
         collect_retired(engine)  # data earlier saves left to readers that have since finished
     except Exception as e:

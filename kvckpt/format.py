@@ -95,6 +95,11 @@ def checksum(data: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def new_checksum() -> xxhash.xxh3_64:
+    """``checksum`` fed piece by piece (``update``, then ``intdigest``): the same digest."""
+    return xxhash.xxh3_64()
+
+
 def part_ranges(nbytes: int, part_bytes: int) -> list[tuple[int, int]]:
     """The byte ranges of an item's parts; an empty item has one empty part."""
     if nbytes <= part_bytes:
@@ -371,7 +376,9 @@ def decode_metadata(raw: bytes, *, where: str) -> CheckpointRecord:
         return _decode_metadata(raw, where)
 
 
-def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
+def _decode_header(raw: bytes, where: str) -> tuple[_Checker, dict[str, Any], str, str]:
+    """Unpack a metadata value and check what every reader of it relies on: that it is kvckpt
+    metadata of a version this code reads, and its checkpoint and save ids."""
     chk = _Checker(where)
     if len(raw) > MAX_METADATA_BYTES:
         raise chk.fail(f"{len(raw)} bytes is more than metadata can be")
@@ -406,6 +413,52 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
     save_id = chk.get(doc, "save_id", str)
     if len(save_id) != 32 or any(c not in "0123456789abcdef" for c in save_id):
         raise chk.fail("save_id should be 32 lowercase hex digits")
+    return chk, doc, checkpoint_id, save_id
+
+
+def _item_fields(chk: _Checker, item: Any) -> tuple[str, Any, int, int, int, int, Any]:
+    """One entry of 'items', its scalar fields checked: (fqn, offsets, rank, n, nbytes,
+    part_bytes, checksums)."""
+    if type(item) is not list or len(item) not in (6, 7) or type(item[0]) is not str:
+        raise chk.fail(
+            f"item {str(item)[:80]} should be [fqn, offsets, rank, n, nbytes, part_bytes, "
+            "checksums]"
+        )
+    fqn, offsets, irank, n, nbytes, part_bytes = item[:6]
+    if (
+        type(irank) is not int
+        or type(n) is not int
+        or type(nbytes) is not int
+        or irank < 0
+        or n < 0
+        or nbytes < 0
+    ):
+        raise chk.fail(f"item {fqn!r}: rank, n and nbytes should be non-negative ints")
+    if type(part_bytes) is not int or part_bytes < 1:
+        raise chk.fail(f"item {fqn!r}: part_bytes should be a positive int")
+    if nbytes > MAX_PARTS * part_bytes:
+        raise chk.fail(
+            f"item {fqn!r}: {nbytes} bytes in parts of {part_bytes} is more than {MAX_PARTS} parts"
+        )
+    return fqn, offsets, irank, n, nbytes, part_bytes, item[6] if len(item) == 7 else None
+
+
+def decode_data_keys(raw: bytes, prefix: str, *, where: str) -> list[str]:
+    """The data keys a metadata value names, for deleting them: what ``decode_metadata(raw)
+    .data_keys(prefix)`` returns, without building DCP's objects for every tensor (a tenth of
+    the time with 10,000 tensors, paid by every save that replaces or retires one)."""
+    with gc_paused():
+        chk, doc, checkpoint_id, save_id = _decode_header(raw, where)
+        items = chk.get(doc, "items", list)
+        keys: list[str] = []
+        for item in items:
+            _, _, irank, n, nbytes, part_bytes, _ = _item_fields(chk, item)
+            keys += ItemLocation(irank, n, nbytes, part_bytes).keys(prefix, checkpoint_id, save_id)
+        return keys
+
+
+def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
+    chk, doc, checkpoint_id, save_id = _decode_header(raw, where)
     created_at = float(chk.get(doc, "created_at", float, int))
     world_size = chk.get(doc, "world_size", int)
     rank = chk.get(doc, "rank", int, optional=True)
@@ -460,29 +513,7 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
 
     locations: dict[MetadataIndex, ItemLocation] = {}
     for item in chk.get(doc, "items", list):
-        if type(item) is not list or len(item) not in (6, 7) or type(item[0]) is not str:
-            raise chk.fail(
-                f"item {str(item)[:80]} should be [fqn, offsets, rank, n, nbytes, part_bytes, "
-                "checksums]"
-            )
-        fqn, offsets, irank, n, nbytes, part_bytes = item[:6]
-        sums = item[6] if len(item) == 7 else None
-        if (
-            type(irank) is not int
-            or type(n) is not int
-            or type(nbytes) is not int
-            or irank < 0
-            or n < 0
-            or nbytes < 0
-        ):
-            raise chk.fail(f"item {fqn!r}: rank, n and nbytes should be non-negative ints")
-        if type(part_bytes) is not int or part_bytes < 1:
-            raise chk.fail(f"item {fqn!r}: part_bytes should be a positive int")
-        if nbytes > MAX_PARTS * part_bytes:
-            raise chk.fail(
-                f"item {fqn!r}: {nbytes} bytes in parts of {part_bytes} is more "
-                f"than {MAX_PARTS} parts"
-            )
+        fqn, offsets, irank, n, nbytes, part_bytes, sums = _item_fields(chk, item)
         if offsets is None:
             if type(sd_meta.get(fqn)) is not BytesStorageMetadata:
                 raise chk.fail(f"object item {fqn!r} is not declared in 'objects'")

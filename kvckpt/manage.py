@@ -27,7 +27,7 @@ from .catalog import (
 )
 from .engines.base import Engine
 from .errors import CheckpointNotFoundError, MetadataError
-from .format import data_prefix, decode_metadata, meta_key
+from .format import data_prefix, decode_data_keys, meta_key
 from .urls import open_store, validate_name
 
 
@@ -210,11 +210,13 @@ def delete_checkpoint(store: str | Engine, checkpoint_id: str) -> int:
         if raw is None:
             continue
         try:
-            record = decode_metadata(raw, where=f"checkpoint {checkpoint_id!r} in {engine.url}")
+            keys = decode_data_keys(
+                raw, engine.prefix, where=f"checkpoint {checkpoint_id!r} in {engine.url}"
+            )
         except MetadataError:
             deleted += engine.delete_prefix(data_prefix(engine.prefix, checkpoint_id))
             continue
-        deleted += engine.delete(record.data_keys(engine.prefix))
+        deleted += engine.delete(keys)
     return deleted
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import random
 import threading
 from collections.abc import Iterator
 
@@ -13,6 +14,7 @@ from kvckpt import StoreUnavailableError, open_store
 from kvckpt.engines.base import Engine
 from kvckpt.engines.lmdb import LMDBEngine
 from kvckpt.engines.redis import RedisEngine
+from kvckpt.format import checksum, new_checksum
 
 
 def collect(engine: Engine, keys: list[str]) -> list[bytes | None]:
@@ -145,6 +147,31 @@ def test_lmdb_get_into(lmdb_url: str) -> None:
     bufs = [memoryview(bytearray(5)), memoryview(bytearray(2)), memoryview(bytearray(1))]
     assert engine.get_into(["x", "x", "nope"], bufs) == [5, 5, None]
     assert bytes(bufs[0]) == b"12345"
+
+
+def test_get_into_hashes_each_value_as_it_arrives(store_url: str) -> None:
+    """The digest passed to on_value is the format's checksum of the whole value, however the
+    engine split it while reading (socket reads, cache-sized pieces)."""
+    rng = random.Random(7)
+    values = {
+        "h/empty": b"",
+        "h/small": rng.randbytes(100),
+        "h/odd": rng.randbytes((3 << 20) + 12345),  # many recv() calls / pieces, ragged end
+    }
+    engine = open_store(store_url)
+    engine.put_many(values.items())
+    keys = ["h/small", "h/missing", "h/odd", "h/empty", "h/small"]
+    bufs = [memoryview(bytearray(len(values.get(k, b"?")))) for k in keys]
+    bufs[4] = memoryview(bytearray(3))  # the wrong size: not hashed, not reported
+    seen: dict[int, int | None] = {}
+    sizes = engine.get_into(keys, bufs, seen.__setitem__, new_checksum)
+    assert sizes == [100, None, len(values["h/odd"]), 0, 100]
+    assert seen == {i: checksum(values[keys[i]]) for i in (0, 2, 3)}
+    assert bytes(bufs[2]) == values["h/odd"]
+    # Without a hasher the callback still reports each value, with no digest.
+    seen.clear()
+    engine.get_into(keys[:1], bufs[:1], seen.__setitem__)
+    assert seen == {0: None}
 
 
 def _in_forked_child(check) -> int:  # type: ignore[no-untyped-def]

@@ -25,6 +25,7 @@ from kvckpt.format import (
     DTYPES,
     ItemLocation,
     data_prefix,
+    decode_data_keys,
     decode_metadata,
     encode_metadata,
     meta_key,
@@ -141,6 +142,26 @@ def test_malformed_metadata_is_rejected(overrides: dict, fragment: str) -> None:
         decode_metadata(encode(**overrides), where="checkpoint 'c1'")
     assert fragment in str(info.value)
     assert "checkpoint 'c1'" in str(info.value)
+
+
+def test_data_keys_without_a_full_decode() -> None:
+    """The lean decode that deletions use names exactly the keys the full decode does (and
+    refuses what it refuses among the fields it reads)."""
+    md, locs = sample()
+    locs[MetadataIndex("opt.lr")] = ItemLocation(0, 1, 100, 30)  # 4 parts
+    raw = encode_metadata(md, locs, checkpoint_id="c1", save_id=SAVE_ID, world_size=2)
+    keys = decode_data_keys(raw, "pfx", where="checkpoint 'c1'")
+    assert keys == decode_metadata(raw, where="x").data_keys("pfx")
+    assert len(keys) == 6 and keys[-1] == f"pfx/data/c1/{SAVE_ID}/0/1/3"
+    for overrides, fragment in [
+        ({"save_id": "../../x"}, "save_id"),
+        ({"checkpoint_id": "a/b"}, "checkpoint_id"),
+        ({"items": [["w", [0, 0], -1, 0, 24, 1024]]}, "non-negative"),
+        ({"items": [["w", [0, 0], 0, 0, 24, 0]]}, "part_bytes"),
+        ({"version": 99}, "upgrade kvckpt"),
+    ]:
+        with pytest.raises(MetadataError, match=fragment):
+            decode_data_keys(encode(**overrides), "pfx", where="checkpoint 'c1'")
 
 
 class Boom:

@@ -39,7 +39,7 @@ from ..urls import (
     split_options,
     validate_prefix,
 )
-from .base import BytesLike, Consumer, Engine, Update
+from .base import BytesLike, Consumer, Engine, Hasher, Update, ValueCallback
 from .redis import (
     _MIB,
     DEFAULT_READ_AHEAD,
@@ -316,7 +316,8 @@ class RedisClusterEngine(Engine):
         self,
         keys: Sequence[str],
         buffers: Sequence[memoryview],
-        on_value: Callable[[int], None] | None = None,
+        on_value: ValueCallback | None = None,
+        hasher: Callable[[], Hasher] | None = None,
     ) -> list[int | None]:
         sizes: list[int | None] = [None] * len(keys)
 
@@ -324,7 +325,8 @@ class RedisClusterEngine(Engine):
             got = self._node_engine(node).get_into(
                 [keys[i] for i in idx],
                 [buffers[i] for i in idx],
-                None if on_value is None else (lambda j: on_value(idx[j])),
+                None if on_value is None else (lambda j, digest: on_value(idx[j], digest)),
+                hasher,
             )
             for i, n in zip(idx, got, strict=True):
                 sizes[i] = n
