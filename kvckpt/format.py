@@ -445,7 +445,7 @@ def _item_fields(chk: _Checker, item: Any) -> tuple[str, Any, int, int, int, int
 
 def decode_data_keys(raw: bytes, prefix: str, *, where: str) -> list[str]:
     """The data keys a metadata value names, for deleting them: what ``decode_metadata(raw)
-    .data_keys(prefix)`` returns, without building DCP's objects for every tensor (a tenth of
+    .data_keys(prefix)`` returns, without building DCP's objects for every tensor (a quarter of
     the time with 10,000 tensors, paid by every save that replaces or retires one)."""
     with gc_paused():
         chk, doc, checkpoint_id, save_id = _decode_header(raw, where)

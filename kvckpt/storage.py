@@ -82,7 +82,8 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_BATCH_BYTES = 256 << 20
 _HOST_ALIGN = 64
-#: Values at least this large are checksummed on a worker thread, smaller ones inline.
+#: Saves hash values at least this large on a worker thread while the engine sends, smaller
+#: ones inline (loads hash inside the engine's read: ``Engine.get_into``).
 _ASYNC_HASH_BYTES = 1 << 20
 
 
