@@ -103,24 +103,38 @@ def timed(
 
 
 def take_turns(
-    cases: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]], repeats: int
+    cases: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]],
+    repeats: int,
+    after: Callable[[], Any] | None = None,
 ) -> dict[str, list[float]]:
-    """Time ``{name: (fn, setup)}``, one repeat of each case in turn, ``repeats`` rounds.
+    """Time ``{name: (fn, setup)}``, one repeat of each case per round, ``repeats`` rounds,
+    each round starting one case further along; ``after()`` (untimed) checks each run's result.
 
-    For cases whose ratio is a target: this VM's timings drift and jump during a run (loopback
-    Redis loads came in two clusters, ~105 and ~155 ms, whichever client ran), and cases timed
-    in blocks one after another would each catch a different part of that drift.
+    For cases compared with each other (kvckpt against the raw client, verified against
+    unverified loads, the small-tensor round trips): this VM's timings drift and jump during a
+    run (loopback Redis loads came in two clusters, ~105 and ~155 ms, whichever client ran),
+    and cases timed in blocks one after another would each catch a different part of that
+    drift. (The DCP baselines at the start of the run are timed in blocks.)
     """
     times: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(repeats):
-        for name, (fn, setup) in cases.items():
+    names = list(cases)
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fn, setup = cases[name]
             if setup is not None:
                 setup()
             gc.collect()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+            if after is not None:
+                after()
     return times
+
+
+def zero(sd: dict[str, torch.Tensor]) -> None:
+    for t in sd.values():
+        t.zero_()
 
 
 # -- raw baselines ------------------------------------------------------------------------------
@@ -387,7 +401,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     lambda: dcp.load(
                         dest, storage_reader=KVStorageReader(steady), checkpoint_id=latest
                     ),
-                    None,
+                    lambda: zero(dest),
                 ),
                 "kv_lmdb_load_verify": (
                     lambda: dcp.load(
@@ -395,10 +409,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         storage_reader=KVStorageReader(steady, verify=True),
                         checkpoint_id="sum",
                     ),
-                    None,
+                    lambda: zero(dest),
                 ),
             },
             reps,
+            after=lambda: check(sd, dest),
         )
         for name, times in lmdb_loads.items():
             record(name, times, size)
@@ -438,12 +453,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kv_save(redis_url)()
         redis_loads = take_turns(
             {
-                "raw_redis_get_into": (lambda: raw.get_into(dest_items), None),
-                "kv_redis_load": (kv_load(redis_url), None),
-                "kv_redis_load_noverify": (kv_load(redis_url, verify=False), None),
-                "kv_redis_unix_load": (kv_load(unix_url), None),
+                "raw_redis_get_into": (lambda: raw.get_into(dest_items), lambda: zero(dest)),
+                "kv_redis_load": (kv_load(redis_url), lambda: zero(dest)),
+                "kv_redis_load_noverify": (kv_load(redis_url, verify=False), lambda: zero(dest)),
+                "kv_redis_unix_load": (kv_load(unix_url), lambda: zero(dest)),
             },
             reps,
+            after=lambda: check(sd, dest),
         )
         for name, times in redis_loads.items():
             record(name, times, size)
@@ -468,24 +484,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         lambda: dcp.FileSystemWriter(small_dir[-1]),
                         lambda: dcp.FileSystemReader(small_dir[-1]),
                     ),
-                    lambda: small_dir.append(fresh(scratch)),
+                    lambda: (zero(small_dest), small_dir.append(fresh(scratch))),
                 ),
                 "small_kv_lmdb": (
                     lambda: round_trip(
                         lambda: KVStorageWriter(small_lmdb, checkpoint_id="s"),
                         lambda: KVStorageReader(small_lmdb, checkpoint_id="s"),
                     ),
-                    None,
+                    lambda: zero(small_dest),
                 ),
                 "small_kv_redis": (
                     lambda: round_trip(
                         lambda: KVStorageWriter(redis_url, checkpoint_id="s"),
                         lambda: KVStorageReader(redis_url, checkpoint_id="s"),
                     ),
-                    None,
+                    lambda: zero(small_dest),
                 ),
             },
             reps,
+            after=lambda: check(small, small_dest),
         )
         for name, times in small_times.items():
             record(name, times, small_size)

@@ -476,14 +476,17 @@ def publish(
         )
     if replaced is not None and deletable:
         try:
-            old_keys = decode_data_keys(
-                replaced, engine.prefix, where=f"replaced checkpoint {checkpoint_id!r}"
+            old_save, old_keys = decode_data_keys(
+                replaced,
+                engine.prefix,
+                checkpoint_id,
+                where=f"replaced checkpoint {checkpoint_id!r} in {engine.url}",
             )
         except MetadataError as e:
             logger.warning("not deleting the data of a replaced save: %s (run gc)", e)
         else:
-            # (none if the metadata replaced was this save's own: a commit retried)
-            engine.delete(key for key in old_keys if f"/{save_id}/" not in key)
+            if old_save != save_id:
+                engine.delete(old_keys)
     try:
         collect_retired(engine)  # data earlier saves left to readers that have since finished
     except Exception as e:

@@ -210,13 +210,16 @@ def delete_checkpoint(store: str | Engine, checkpoint_id: str) -> int:
         if raw is None:
             continue
         try:
-            keys = decode_data_keys(
-                raw, engine.prefix, where=f"checkpoint {checkpoint_id!r} in {engine.url}"
+            _, data_keys = decode_data_keys(
+                raw,
+                engine.prefix,
+                checkpoint_id,
+                where=f"checkpoint {checkpoint_id!r} in {engine.url}",
             )
         except MetadataError:
             deleted += engine.delete_prefix(data_prefix(engine.prefix, checkpoint_id))
             continue
-        deleted += engine.delete(keys)
+        deleted += engine.delete(data_keys)
     return deleted
 
 

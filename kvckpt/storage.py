@@ -83,7 +83,8 @@ logger = logging.getLogger(__name__)
 _DEFAULT_BATCH_BYTES = 256 << 20
 _HOST_ALIGN = 64
 #: Saves hash values at least this large on a worker thread while the engine sends, smaller
-#: ones inline (loads hash inside the engine's read: ``Engine.get_into``).
+#: ones inline. (Direct loads hash inside the engine's read, ``Engine.get_into``; staged
+#: ones, ``fetch_parts``, after each value arrives.)
 _ASYNC_HASH_BYTES = 1 << 20
 
 
@@ -94,7 +95,13 @@ def _with_checksums(result: WriteResult, checksums: tuple[int, ...]) -> WriteRes
     return WriteResult(
         index=result.index,
         size_in_bytes=result.size_in_bytes,
-        storage_data=ItemLocation(loc.rank, loc.n, loc.nbytes, loc.part_bytes, checksums),
+        storage_data=ItemLocation(
+            rank=loc.rank,
+            n=loc.n,
+            nbytes=loc.nbytes,
+            part_bytes=loc.part_bytes,
+            checksums=checksums,
+        ),
     )
 
 
@@ -365,12 +372,12 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                 else:
                     view = tensor_bytes(data)
                 loc = ItemLocation(where.rank, n, view.nbytes, part_bytes)
-                if hasher is not None:
+                if hash_pool is not None:
                     # Large parts are hashed on another core while the engine sends (xxhash
                     # releases the GIL); small ones inline, where a hand-off costs more.
                     hashes.append(
                         [
-                            hasher.submit(checksum, view[a:b])
+                            hash_pool.submit(checksum, view[a:b])
                             if b - a >= _ASYNC_HASH_BYTES
                             else checksum(view[a:b])
                             for a, b in part_ranges(view.nbytes, part_bytes)
@@ -384,14 +391,14 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         self._session = where.session
         preflight = getattr(self.engine, "preflight", None)
         hashes: list[list[Future_[int] | int]] = []
-        hasher = ThreadPoolExecutor(1) if self.checksums else None
+        hash_pool = ThreadPoolExecutor(1) if self.checksums else None
         try:
             if preflight is not None:
                 preflight(sum(_planned_bytes(item) for item in plan.items))
             with gc_paused():
                 self.engine.put_many(values())
             self.engine.sync_replicas()
-            if hasher is not None:
+            if hash_pool is not None:
                 results[:] = [
                     _with_checksums(wr, tuple(f if isinstance(f, int) else f.result() for f in fs))
                     for wr, fs in zip(results, hashes, strict=True)
@@ -402,8 +409,8 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                 release_lease(self.engine, checkpoint_id, where.save_id, lease_rank)
             raise
         finally:
-            if hasher is not None:
-                hasher.shutdown(wait=True)
+            if hash_pool is not None:
+                hash_pool.shutdown(wait=True)
         self._check_session(checkpoint_id)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
@@ -729,19 +736,24 @@ class KVStorageReader(_KVStorageBase, StorageReader):
                     sums.append(item.loc.checksums[p] if item.loc.checksums else None)
             verifying = self.verify and any(x is not None for x in sums)
             digests: dict[int, int | None] = {}
-            sizes = self.engine.get_into(
-                keys,
-                buffers,
-                digests.__setitem__ if verifying else None,
-                new_checksum if verifying else None,
-            )
+            if verifying:
+                # The engine hashes each value as it lands (Engine.get_into says why).
+                sizes = self.engine.get_into(
+                    keys, buffers, on_value=digests.__setitem__, hasher=new_checksum
+                )
+            else:
+                sizes = self.engine.get_into(keys, buffers)
             for i, (key, buffer, size) in enumerate(zip(keys, buffers, sizes, strict=True)):
                 if size != buffer.nbytes:
                     raise damaged(
                         self.engine, record, key, key_fqn(direct, key), size, buffer.nbytes
                     )
-                if sums[i] is not None and verifying and digests.get(i) != sums[i]:
-                    raise corrupted(self.engine, record, key, key_fqn(direct, key))
+                if verifying and sums[i] is not None:
+                    digest = digests.get(i)
+                    if digest is None:  # an engine that does not hash while reading
+                        digest = checksum(buffer)
+                    if digest != sums[i]:
+                        raise corrupted(self.engine, record, key, key_fqn(direct, key))
             for item in direct:
                 item.commit()
         if staged:

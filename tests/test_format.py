@@ -150,18 +150,21 @@ def test_data_keys_without_a_full_decode() -> None:
     md, locs = sample()
     locs[MetadataIndex("opt.lr")] = ItemLocation(0, 1, 100, 30)  # 4 parts
     raw = encode_metadata(md, locs, checkpoint_id="c1", save_id=SAVE_ID, world_size=2)
-    keys = decode_data_keys(raw, "pfx", where="checkpoint 'c1'")
+    save_id, keys = decode_data_keys(raw, "pfx", "c1", where="checkpoint 'c1'")
+    assert save_id == SAVE_ID
     assert keys == decode_metadata(raw, where="x").data_keys("pfx")
     assert len(keys) == 6 and keys[-1] == f"pfx/data/c1/{SAVE_ID}/0/1/3"
     for overrides, fragment in [
         ({"save_id": "../../x"}, "save_id"),
         ({"checkpoint_id": "a/b"}, "checkpoint_id"),
+        # metadata planted under c1's key that names c2: deleting c1 must not delete c2's data
+        ({"checkpoint_id": "c2"}, "names checkpoint 'c2', not 'c1'"),
         ({"items": [["w", [0, 0], -1, 0, 24, 1024]]}, "non-negative"),
         ({"items": [["w", [0, 0], 0, 0, 24, 0]]}, "part_bytes"),
         ({"version": 99}, "upgrade kvckpt"),
     ]:
         with pytest.raises(MetadataError, match=fragment):
-            decode_data_keys(encode(**overrides), "pfx", where="checkpoint 'c1'")
+            decode_data_keys(encode(**overrides), "pfx", "c1", where="checkpoint 'c1'")
 
 
 class Boom:

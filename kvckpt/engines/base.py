@@ -111,7 +111,9 @@ class Engine(ABC):
 
         Returns each value's actual size (None if the key is missing); where it differs from
         the buffer's length the buffer's content is undefined. ``on_value(i, digest)`` is
-        called once value ``i`` is in its buffer. With a ``hasher`` (a factory of streaming
+        called once value ``i`` is in its buffer, only for values of the buffer's size (again
+        for the same ``i`` if a dropped connection made the engine read it again: the last
+        call counts). With a ``hasher`` (a factory of streaming
         hashes, the format's checksum), ``digest`` is the hash of the value's bytes, fed piece by
         piece as they arrive: hashing while a piece is still in the CPU cache costs a fraction
         of a second pass over the whole buffer, which on a loaded machine has no spare core to

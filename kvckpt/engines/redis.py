@@ -119,8 +119,8 @@ class RedisEngine(Engine):
 
     shared = True
     supports_ttl = True
-    # verifying xxh3 as each piece of a value lands (still in the CPU cache) costs about 0-8%
-    # of a loopback load even with the server on the same 2 cores (benchmarks/run.py)
+    # verifying xxh3 as each piece of a value lands (still in the CPU cache) cost -1% to 11% of
+    # a loopback load with the server on the same 2 cores (benchmarks/run.py, three runs)
     checksums_by_default = True
 
     def __init__(
@@ -583,7 +583,8 @@ class _BulkReader:
 
     def _read_into(self, dest: memoryview, hasher: Hasher | None = None) -> None:
         """Fill ``dest`` from the socket, feeding ``hasher`` each piece as it lands (it is
-        still in the CPU cache then: 8% of a loopback load where hashing afterwards cost 40%)."""
+        still in the CPU cache then: -1% to 11% of a loopback load where hashing each value
+        afterwards, on another thread, cost 40%)."""
         have = min(self.end - self.start, dest.nbytes)
         dest[:have] = self.view[self.start : self.start + have]
         self.start += have
