@@ -288,6 +288,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"  {name:<28} {size / med / 1e9:7.2f} GB/s  (median {med * 1e3:8.1f} ms)", flush=True
         )
 
+    def record_turns(
+        cases: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]],
+        size: int,
+        after: Callable[[], Any] | None = None,
+    ) -> None:
+        for name, times in take_turns(cases, args.repeats, after).items():
+            record(name, times, size)
+
     try:
         sd = make_state_dict(args.size_mib * MIB)
         size = nbytes(sd)
@@ -395,7 +403,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         latest = kvckpt.latest_checkpoint(steady)
         dcp.save(sd, storage_writer=KVStorageWriter(steady, checksums=True), checkpoint_id="sum")
-        lmdb_loads = take_turns(
+        record_turns(
             {
                 "kv_lmdb_load": (
                     lambda: dcp.load(
@@ -412,12 +420,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     lambda: zero(dest),
                 ),
             },
-            reps,
+            size,
             after=lambda: check(sd, dest),
         )
-        for name, times in lmdb_loads.items():
-            record(name, times, size)
-        check(sd, dest)
         close_idle_environments()
         shutil.rmtree(steady.removeprefix("lmdb://"))
 
@@ -438,32 +443,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 dest, storage_reader=KVStorageReader(url, **options), checkpoint_id="r"
             )
 
-        redis_saves = take_turns(
+        record_turns(
             {
                 "raw_redis_set": (lambda: raw.set_many(items), client.flushall),
                 "kv_redis_save": (kv_save(redis_url), client.flushall),
                 "kv_redis_unix_save": (kv_save(unix_url), client.flushall),
             },
-            reps,
+            size,
         )
-        for name, times in redis_saves.items():
-            record(name, times, size)
         client.flushall()
         raw.set_many(items)  # the raw client's keys and kvckpt's checkpoint, side by side
         kv_save(redis_url)()
-        redis_loads = take_turns(
+        record_turns(
             {
                 "raw_redis_get_into": (lambda: raw.get_into(dest_items), lambda: zero(dest)),
                 "kv_redis_load": (kv_load(redis_url), lambda: zero(dest)),
                 "kv_redis_load_noverify": (kv_load(redis_url, verify=False), lambda: zero(dest)),
                 "kv_redis_unix_load": (kv_load(unix_url), lambda: zero(dest)),
             },
-            reps,
+            size,
             after=lambda: check(sd, dest),
         )
-        for name, times in redis_loads.items():
-            record(name, times, size)
-        check(sd, dest)
         client.flushall()
 
         # 10,000 small tensors: save + load wall time
@@ -477,7 +477,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         small_dir: list[Path] = []
         small_lmdb = f"lmdb://{fresh(scratch)}"
-        small_times = take_turns(
+        record_turns(
             {
                 "small_dcp_fs_shm": (
                     lambda: round_trip(
@@ -501,12 +501,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     lambda: zero(small_dest),
                 ),
             },
-            reps,
+            small_size,
             after=lambda: check(small, small_dest),
         )
-        for name, times in small_times.items():
-            record(name, times, small_size)
-        check(small, small_dest)
         client.flushall()
 
         # dcp.async_save: time until the call returns (what training waits for). The writers

@@ -113,12 +113,12 @@ class Engine(ABC):
         the buffer's length the buffer's content is undefined. ``on_value(i, digest)`` is
         called once value ``i`` is in its buffer, only for values of the buffer's size (again
         for the same ``i`` if a dropped connection made the engine read it again: the last
-        call counts). With a ``hasher`` (a factory of streaming
-        hashes, the format's checksum), ``digest`` is the hash of the value's bytes, fed piece by
-        piece as they arrive: hashing while a piece is still in the CPU cache costs a fraction
-        of a second pass over the whole buffer, which on a loaded machine has no spare core to
-        hide on. Engines that can read from the network straight into the buffer override
-        this; the default copies once from ``get_many``'s view.
+        call counts). With a ``hasher`` (a factory of streaming hashes, the format's checksum),
+        ``digest`` is the hash of the value's bytes, fed piece by piece as they arrive: hashing
+        a piece while it is still in the CPU cache costs a fraction of a second pass over the
+        whole buffer, which on a loaded machine has no spare core to hide on. Engines that can
+        read from the network straight into the buffer override this; the default copies once
+        from ``get_many``'s view.
         """
         sizes: list[int | None] = [None] * len(keys)
 
