@@ -82,9 +82,10 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_BATCH_BYTES = 256 << 20
 _HOST_ALIGN = 64
-#: Saves hash values at least this large on a worker thread while the engine sends, smaller
-#: ones inline. (Direct loads hash inside the engine's read, ``Engine.get_into``; staged
-#: ones, ``fetch_parts``, after each value arrives.)
+#: Saves to an engine that does not hash as it sends (``hashes_while_writing``: Redis does)
+#: hash values at least this large on a worker thread while the engine writes, smaller ones
+#: inline. (Direct loads hash inside the engine's read, ``Engine.get_into``; staged ones,
+#: ``fetch_parts``, after each value arrives.)
 _ASYNC_HASH_BYTES = 1 << 20
 
 
@@ -372,7 +373,9 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                 else:
                     view = tensor_bytes(data)
                 loc = ItemLocation(where.rank, n, view.nbytes, part_bytes)
-                if hash_pool is not None:
+                if hash_in_engine:
+                    part_counts.append(len(part_ranges(view.nbytes, part_bytes)))
+                elif hash_pool is not None:
                     # Large parts are hashed on another core while the engine sends (xxhash
                     # releases the GIL); small ones inline, where a hand-off costs more.
                     hashes.append(
@@ -391,14 +394,26 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         self._session = where.session
         preflight = getattr(self.engine, "preflight", None)
         hashes: list[list[Future_[int] | int]] = []
-        hash_pool = ThreadPoolExecutor(1) if self.checksums else None
+        # An engine that hashes each value as it sends it does so cache-hot, in one pass over
+        # memory; otherwise large values are hashed on a worker thread meanwhile.
+        hash_in_engine = self.checksums and getattr(self.engine, "hashes_while_writing", False)
+        part_counts: list[int] = []
+        digests: dict[int, int | None] = {}
+        hash_pool = ThreadPoolExecutor(1) if self.checksums and not hash_in_engine else None
         try:
             if preflight is not None:
                 preflight(sum(_planned_bytes(item) for item in plan.items))
             with gc_paused():
-                self.engine.put_many(values())
+                if hash_in_engine:
+                    self.engine.put_many(
+                        values(), on_value=digests.__setitem__, hasher=new_checksum
+                    )
+                else:
+                    self.engine.put_many(values())
             self.engine.sync_replicas()
-            if hash_pool is not None:
+            if hash_in_engine:
+                results[:] = self._engine_checksums(results, part_counts, digests)
+            elif hash_pool is not None:
                 results[:] = [
                     _with_checksums(wr, tuple(f if isinstance(f, int) else f.result() for f in fs))
                     for wr, fs in zip(results, hashes, strict=True)
@@ -415,6 +430,24 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _engine_checksums(
+        self, results: list[WriteResult], part_counts: list[int], digests: dict[int, int | None]
+    ) -> list[WriteResult]:
+        """``results`` with the checksums the engine reported for their parts, in the order
+        they were handed to it."""
+        out, i = [], 0
+        for wr, count in zip(results, part_counts, strict=True):
+            sums = tuple(digests.get(j) for j in range(i, i + count))
+            if None in sums:
+                raise RuntimeError(
+                    f"{self.engine.url}: the engine says it hashes values while writing "
+                    f"(hashes_while_writing) but reported no checksum for a part of "
+                    f"{wr.index.fqn!r}; fix the engine or save with checksums=False"
+                )
+            out.append(_with_checksums(wr, sums))  # type: ignore[arg-type]
+            i += count
+        return out
 
     def _session_id(self) -> str | None:
         get = getattr(self.engine, "session_id", None)

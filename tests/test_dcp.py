@@ -16,6 +16,7 @@ from kvckpt import (
     MetadataError,
     StoreUnavailableError,
     UnsupportedFormatVersionError,
+    list_checkpoints,
     open_store,
 )
 from kvckpt.format import meta_key
@@ -383,6 +384,23 @@ def test_verify_with_an_engine_that_does_not_hash_while_reading(lmdb_url: str) -
     flip_one_byte(lmdb_url, "step-1", "w")
     with pytest.raises(BaseException, match="does not match the checksum"):
         load({"w": torch.zeros(32, 32)}, engine, verify=True)
+
+
+def test_engine_that_claims_to_hash_while_writing_but_does_not(lmdb_url: str) -> None:
+    """A plugin engine that sets hashes_while_writing but reports no digests fails the save
+    with an error naming the engine and the fix, and commits nothing."""
+    from kvckpt.engines.lmdb import LMDBEngine
+
+    class Claims(LMDBEngine):
+        hashes_while_writing = True
+
+        def put_many(self, items, on_value=None, hasher=None):  # type: ignore[override]
+            super().put_many(items)
+
+    engine = Claims.from_url(lmdb_url)
+    with pytest.raises(BaseException, match="reported no checksum for a part of 'w'"):
+        save({"w": torch.randn(8)}, engine, checksums=True)
+    assert list_checkpoints(lmdb_url) == []
 
 
 def test_lmdb_checksums_are_opt_in(lmdb_url: str) -> None:

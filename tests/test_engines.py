@@ -174,6 +174,39 @@ def test_get_into_hashes_each_value_as_it_arrives(store_url: str) -> None:
     assert seen == {0: None}
 
 
+def test_put_many_hashes_each_value_as_it_is_sent(store_url: str) -> None:
+    """Engines that hash while writing report, for each value by its position, the format's
+    checksum of the whole value, however they cut it up for the socket; the values land
+    intact. Engines that do not (LMDB) take no hasher: the writer hashes for them."""
+    engine = open_store(store_url)
+    if not engine.hashes_while_writing:
+        assert isinstance(engine, LMDBEngine)
+        return
+    rng = random.Random(11)
+    values = [
+        ("w/empty", b""),
+        ("w/small", rng.randbytes(100)),
+        ("w/edge", rng.randbytes(64 * 1024)),  # the first size sent rather than coalesced
+        ("w/odd", rng.randbytes((3 << 20) + 12345)),  # many pieces, a ragged end
+        ("w/small2", rng.randbytes(7)),
+    ]
+    seen: dict[int, int | None] = {}
+    engine.put_many(iter(values), on_value=seen.__setitem__, hasher=new_checksum)
+    assert seen == {i: checksum(v) for i, (_, v) in enumerate(values)}
+    assert collect(engine, [k for k, _ in values]) == [v for _, v in values]
+
+
+def test_redis_put_many_hashes_across_pipelined_batches(redis_server, redis_url: str) -> None:  # type: ignore[no-untyped-def]
+    """Batches flushed mid-stream (pipeline_bytes) keep each digest with its value's position."""
+    engine = open_store(redis_server.url(pipeline_bytes="1MiB"))
+    rng = random.Random(12)
+    values = [(f"b/{i}", rng.randbytes(rng.choice([10, 300_000, 700_000]))) for i in range(12)]
+    seen: dict[int, int | None] = {}
+    engine.put_many(values, on_value=seen.__setitem__, hasher=new_checksum)
+    assert seen == {i: checksum(v) for i, (_, v) in enumerate(values)}
+    assert collect(engine, [k for k, _ in values]) == [v for _, v in values]
+
+
 def _in_forked_child(check) -> int:  # type: ignore[no-untyped-def]
     """Run ``check()`` in a forked child; its exit code (0: it returned True)."""
     import os

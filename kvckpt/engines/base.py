@@ -32,7 +32,8 @@ class Hasher(Protocol):
     def intdigest(self) -> int: ...
 
 
-#: ``get_into``'s report that value ``i`` is in its buffer, with its digest (None unhashed).
+#: ``get_into``'s report that value ``i`` is in its buffer, or ``put_many``'s that it was sent,
+#: with its digest (None unhashed).
 ValueCallback = Callable[[int, int | None], None]
 
 #: Pieces copied and then hashed while still in the CPU cache.
@@ -47,6 +48,16 @@ def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher) -> int:
         piece[:] = src[start : start + _HASH_PIECE]
         hasher.update(piece)
     return hasher.intdigest()
+
+
+def hashed_pieces(view: memoryview, hasher: Hasher) -> Iterator[memoryview]:
+    """``view`` in cache-sized pieces, each hashed just before it is handed on (to a socket),
+    which then reads it from the cache: no second pass over memory, and no worker thread
+    taking a core from a Redis server on the same node."""
+    for start in range(0, view.nbytes, _HASH_PIECE):
+        piece = view[start : start + _HASH_PIECE]
+        hasher.update(piece)
+        yield piece
 
 
 def copy_bytes(dest: memoryview, src: memoryview) -> None:
@@ -73,6 +84,10 @@ class Engine(ABC):
     - ``zero_copy_reads``: whether ``get_many`` hands out views of the store's own memory. A
       value bound for a GPU is then copied there straight from the store; without it, it is
       read into a host buffer through ``get_into`` (a socket's fast path) and copied from there.
+    - ``hashes_while_writing``: whether ``put_many`` takes ``on_value`` and ``hasher`` and hashes
+      each value as it sends it. Saves that record checksums then leave the hashing to the
+      engine; without it they hash on a worker thread, which costs a second pass over memory
+      and a core that a Redis server on the same node may need.
     """
 
     max_value_bytes: int = 1 << 30
@@ -80,6 +95,7 @@ class Engine(ABC):
     supports_ttl: bool = False
     checksums_by_default: bool = False
     zero_copy_reads: bool = False
+    hashes_while_writing: bool = False
 
     @property
     @abstractmethod
@@ -93,7 +109,13 @@ class Engine(ABC):
 
     @abstractmethod
     def put_many(self, items: Iterable[tuple[str, BytesLike]]) -> None:
-        """Store many values, batched or pipelined. Values must not be copied more than once."""
+        """Store many values, batched or pipelined. Values must not be copied more than once.
+
+        Engines with ``hashes_while_writing`` take two more keyword arguments, as ``get_into``
+        does: ``hasher`` (a factory of streaming hashes) and ``on_value(i, digest)``, called for
+        each value ``i`` (its position in ``items``) with the hash of its bytes, fed piece by
+        piece as they are sent (again if a dropped connection made it send them again).
+        """
 
     @abstractmethod
     def get_many(self, keys: Sequence[str], consume: Consumer) -> None:

@@ -43,7 +43,7 @@ from ..urls import (
     take_option,
     validate_prefix,
 )
-from .base import BytesLike, Consumer, Engine, Hasher, Update, ValueCallback
+from .base import BytesLike, Consumer, Engine, Hasher, Update, ValueCallback, hashed_pieces
 
 _MIB = 1 << 20
 #: Redis refuses (by closing the connection) a single value larger than this.
@@ -122,6 +122,7 @@ class RedisEngine(Engine):
     # verifying xxh3 as each piece of a value lands (still in the CPU cache) cost -1% to 11% of
     # a loopback load with the server on the same 2 cores (benchmarks/run.py, three runs)
     checksums_by_default = True
+    hashes_while_writing = True
 
     def __init__(
         self,
@@ -229,16 +230,32 @@ class RedisEngine(Engine):
     # -- Engine interface ---------------------------------------------------------------------
 
     @_translate_errors
-    def put_many(self, items: Iterable[tuple[str, BytesLike]]) -> None:
+    def put_many(
+        self,
+        items: Iterable[tuple[str, BytesLike]],
+        on_value: ValueCallback | None = None,
+        hasher: Callable[[], Hasher] | None = None,
+    ) -> None:
         def work(conn: Any) -> None:
             pieces: list[BytesLike] = []
+            hashed: dict[int, int] = {}  # position in pieces -> value index, hashed as sent
             small = bytearray()
             sent: list[tuple[str, int]] = []
             batch_bytes = 0
 
+            def stream() -> Iterator[BytesLike]:
+                for p, piece in enumerate(pieces):
+                    i = hashed.get(p)
+                    if i is None:
+                        yield piece
+                    else:
+                        h = hasher()  # type: ignore[misc]
+                        yield from hashed_pieces(memoryview(piece), h)
+                        on_value(i, h.intdigest())  # type: ignore[misc]
+
             def send_batch() -> None:
                 if pieces:
-                    conn.send_packed_command(pieces, check_health=False)
+                    conn.send_packed_command(stream() if hashed else pieces, check_health=False)
                 for key, size in sent:
                     try:
                         conn.read_response()
@@ -250,21 +267,27 @@ class RedisEngine(Engine):
                         raise
 
             def flush() -> None:
-                nonlocal small, sent, batch_bytes, pieces
+                nonlocal small, sent, batch_bytes, pieces, hashed
                 if small:
                     pieces.append(small)
                 # SET is idempotent: a batch cut by a dropped connection is sent again.
                 _retry(conn, send_batch)
-                pieces, small, sent, batch_bytes = [], bytearray(), [], 0
+                pieces, hashed, small, sent, batch_bytes = [], {}, bytearray(), [], 0
 
-            for key, value in items:
+            for i, (key, value) in enumerate(items):
                 view = memoryview(value)
                 k = key.encode()
                 small += b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, view.nbytes)
                 if view.nbytes < _COALESCE_BELOW:
                     small += view
+                    if hasher is not None and on_value is not None:
+                        h = hasher()
+                        h.update(view)
+                        on_value(i, h.intdigest())
                 else:
                     pieces.append(small)
+                    if hasher is not None and on_value is not None:
+                        hashed[len(pieces)] = i  # hashed piece by piece as it is sent
                     pieces.append(view)  # sent straight from the caller's memory
                     small = bytearray()
                 small += b"\r\n"

@@ -113,6 +113,7 @@ class RedisClusterEngine(Engine):
     shared = True
     supports_ttl = True
     checksums_by_default = True
+    hashes_while_writing = True
 
     def __init__(
         self,
@@ -277,27 +278,49 @@ class RedisClusterEngine(Engine):
     # -- Engine interface ---------------------------------------------------------------------
 
     @_cluster_errors
-    def put_many(self, items: Iterable[tuple[str, BytesLike]]) -> None:
+    def put_many(
+        self,
+        items: Iterable[tuple[str, BytesLike]],
+        on_value: ValueCallback | None = None,
+        hasher: Callable[[], Hasher] | None = None,
+    ) -> None:
         # Collect up to pipeline_bytes across the cluster, then send each primary its share in
         # parallel. The values are views of the caller's memory: nothing is copied here.
         batch: list[tuple[str, BytesLike]] = []
-        size = 0
+        first = size = 0  # first: position in items of batch[0]
         for key, value in items:
             batch.append((key, value))
             size += memoryview(value).nbytes
             if size >= self.pipeline_bytes or len(batch) >= _PIPELINE_KEYS * 4:
-                self._put_batch(batch)
+                self._put_batch(batch, first, on_value, hasher)
+                first += len(batch)
                 batch, size = [], 0
         if batch:
-            self._put_batch(batch)
+            self._put_batch(batch, first, on_value, hasher)
 
-    def _put_batch(self, batch: list[tuple[str, BytesLike]]) -> None:
+    def _put_batch(
+        self,
+        batch: list[tuple[str, BytesLike]],
+        first: int,
+        on_value: ValueCallback | None,
+        hasher: Callable[[], Hasher] | None,
+    ) -> None:
         keys = [k for k, _ in batch]
 
+        def put(node: ClusterNode, idx: list[int]) -> None:
+            engine = self._node_engine(node)
+            values = (batch[i] for i in idx)
+            if on_value is None or hasher is None:
+                engine.put_many(values)
+            else:
+                engine.put_many(
+                    values,
+                    on_value=lambda j, digest: on_value(first + idx[j], digest),
+                    hasher=hasher,
+                )
+
         def attempt() -> None:
-            self._each_node(
-                lambda node, idx: self._node_engine(node).put_many(batch[i] for i in idx), keys
-            )
+            self._each_node(put, keys)
 
         self._rerouted(attempt)
 
