@@ -510,43 +510,63 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         client.flushall()
 
         # dcp.async_save: time until the call returns (what training waits for). The writers
-        # take turns, one repeat each, so that drift in the machine's memory state (page cache,
-        # a growing store on /dev/shm) falls on all of them alike rather than on whichever ran
-        # last. Staging is DCP's copy for every writer; the *_huge writers ask for huge pages
-        # on it (huge_pages=True, kvckpt/staging.py). runs_s[0] is each writer's first save.
+        # take turns, one repeat each, each round starting one writer further along, so that
+        # drift in the machine's memory state (page cache, a growing store on /dev/shm, freed
+        # pages handed back to the hypervisor) falls on all of them alike rather than on
+        # whichever ran last, or after a particular other. Staging is DCP's copy for every
+        # writer; the *_huge writers ask for huge pages on it (huge_pages=True,
+        # kvckpt/staging.py). runs_s[0] is each writer's first save.
         async_dirs: list[Path] = []
 
         def fs_writer() -> Any:
-            # the previous save's directory goes, as keep_last=1 frees the kvckpt stores
-            for old in async_dirs:
+            async_dirs.append(fresh(scratch))
+            return dcp.FileSystemWriter(async_dirs[-1])
+
+        def drop_old_dirs() -> None:
+            # DCP's counterpart of keep_last=1, which frees a kvckpt store's previous
+            # checkpoint during the save: the previous directory goes once the save is done
+            # (deleting it just before the next DCP save would hand that save's staging copy
+            # the pages just freed, warm, which no other writer gets)
+            for old in async_dirs[:-1]:
                 shutil.rmtree(old, ignore_errors=True)
-            async_dirs[:] = [fresh(scratch)]
-            return dcp.FileSystemWriter(async_dirs[0])
+            del async_dirs[:-1]
 
         async_lmdb = f"lmdb://{fresh(scratch)}"
-        writers: dict[str, Callable[[], Any]] = {
-            "async_block_dcp_fs_shm": fs_writer,
-            "async_block_kv_lmdb": lambda: KVStorageWriter(
-                async_lmdb, checkpoint_id=next(ids), keep_last=1
+        writers: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]] = {
+            "async_block_dcp_fs_shm": (fs_writer, drop_old_dirs),
+            "async_block_kv_lmdb": (
+                lambda: KVStorageWriter(async_lmdb, checkpoint_id=next(ids), keep_last=1),
+                None,
             ),
-            "async_block_kv_redis": lambda: KVStorageWriter(
-                redis_url, checkpoint_id=next(ids), keep_last=1
+            "async_block_kv_redis": (
+                lambda: KVStorageWriter(redis_url, checkpoint_id=next(ids), keep_last=1),
+                None,
             ),
-            "async_block_kv_lmdb_huge": lambda: KVStorageWriter(
-                async_lmdb, checkpoint_id=next(ids), keep_last=1, huge_pages=True
+            "async_block_kv_lmdb_huge": (
+                lambda: KVStorageWriter(
+                    async_lmdb, checkpoint_id=next(ids), keep_last=1, huge_pages=True
+                ),
+                None,
             ),
-            "async_block_kv_redis_huge": lambda: KVStorageWriter(
-                redis_url, checkpoint_id=next(ids), keep_last=1, huge_pages=True
+            "async_block_kv_redis_huge": (
+                lambda: KVStorageWriter(
+                    redis_url, checkpoint_id=next(ids), keep_last=1, huge_pages=True
+                ),
+                None,
             ),
         }
         blocked: dict[str, list[float]] = {name: [] for name in writers}
-        for _ in range(reps):
-            for name, make_writer in writers.items():
+        names = list(writers)
+        for r in range(reps):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                make_writer, after_save = writers[name]
                 writer = make_writer()
                 t0 = time.perf_counter()
                 fut = dcp.async_save(sd, storage_writer=writer, checkpoint_id=None)
                 blocked[name].append(time.perf_counter() - t0)
                 fut.result()
+                if after_save is not None:
+                    after_save()
                 # The training steps between two saves. Without them the next save's staging
                 # races DCP's worker thread, which still holds the previous staged copy for a
                 # moment after the future resolves; whether that memory is free to be reused
