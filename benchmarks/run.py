@@ -435,7 +435,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             (k, d) for (k, _), (_, d) in zip(items, tensor_parts(dest, part), strict=True)
         ]
 
-        def kv_save(url: str, **options: Any) -> Callable[[], Any]:
+        thread_hashing = kvckpt.open_store(redis_url)
+        thread_hashing.hashes_while_writing = False  # type: ignore[attr-defined]
+
+        def kv_save(url: str | Any, **options: Any) -> Callable[[], Any]:
             return lambda: dcp.save(
                 sd, storage_writer=KVStorageWriter(url, **options), checkpoint_id="r"
             )
@@ -450,6 +453,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "raw_redis_set": (lambda: raw.set_many(items), client.flushall),
                 "kv_redis_save": (kv_save(redis_url), client.flushall),
                 "kv_redis_save_nosum": (kv_save(redis_url, checksums=False), client.flushall),
+                # checksums hashed on a worker thread while the engine sends (how saves hashed
+                # before hashes_while_writing, and how they do for engines without it)
+                "kv_redis_save_sum_thread": (kv_save(thread_hashing), client.flushall),
                 "kv_redis_unix_save": (kv_save(unix_url), client.flushall),
             },
             size,
@@ -700,18 +706,20 @@ def ratios(r: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:
         rows.append(
             (f"Redis over a Unix socket, {label} / DCP shm", g(ours) / g(base), "(no target)", None)
         )
-    for label, plain, summed in (
-        ("LMDB load", "kv_lmdb_load", "kv_lmdb_load_verify"),
-        ("Redis load", "kv_redis_load_noverify", "kv_redis_load"),
-        ("Redis save", "kv_redis_save_nosum", "kv_redis_save"),
+    for label, plain, summed, judged in (
+        ("LMDB load", "kv_lmdb_load", "kv_lmdb_load_verify", True),
+        ("Redis load", "kv_redis_load_noverify", "kv_redis_load", True),
+        ("Redis save", "kv_redis_save_nosum", "kv_redis_save", True),
+        # how saves hashed before the engine hashed as it sent: for comparison only
+        ("Redis save, worker thread", "kv_redis_save_nosum", "kv_redis_save_sum_thread", False),
     ):
         cost = t(summed) / t(plain) - 1
         rows.append(
             (
                 f"checksum cost, {label} (fraction of its time)",
                 cost,
-                "<= 0.10 to be on by default",
-                cost <= 0.10,
+                "<= 0.10 to be on by default" if judged else "(for comparison)",
+                cost <= 0.10 if judged else None,
             )
         )
     rss = r["rss_delta_bytes"]

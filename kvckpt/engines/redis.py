@@ -119,8 +119,9 @@ class RedisEngine(Engine):
 
     shared = True
     supports_ttl = True
-    # verifying xxh3 as each piece of a value lands (still in the CPU cache) cost -1% to 11% of
-    # a loopback load with the server on the same 2 cores (benchmarks/run.py, three runs)
+    # hashing xxh3 on each piece of a value as it lands or just before it is sent (still in the
+    # CPU cache) costs no more than the noise of a loopback load or save with the server on the
+    # same 2 cores (benchmarks/run.py; docs/RELIABILITY.md)
     checksums_by_default = True
     hashes_while_writing = True
 
