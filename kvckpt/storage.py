@@ -373,9 +373,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                 else:
                     view = tensor_bytes(data)
                 loc = ItemLocation(where.rank, n, view.nbytes, part_bytes)
-                if hash_in_engine:
-                    part_counts.append(len(part_ranges(view.nbytes, part_bytes)))
-                elif hash_pool is not None:
+                if hash_pool is not None:
                     # Large parts are hashed on another core while the engine sends (xxhash
                     # releases the GIL); small ones inline, where a hand-off costs more.
                     hashes.append(
@@ -397,7 +395,6 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         # An engine that hashes each value as it sends it does so cache-hot, in one pass over
         # memory; otherwise large values are hashed on a worker thread meanwhile.
         hash_in_engine = self.checksums and getattr(self.engine, "hashes_while_writing", False)
-        part_counts: list[int] = []
         digests: dict[int, int | None] = {}
         hash_pool = ThreadPoolExecutor(1) if self.checksums and not hash_in_engine else None
         try:
@@ -412,7 +409,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                     self.engine.put_many(values())
             self.engine.sync_replicas()
             if hash_in_engine:
-                results[:] = self._engine_checksums(results, part_counts, digests)
+                results[:] = self._engine_checksums(results, digests)
             elif hash_pool is not None:
                 results[:] = [
                     _with_checksums(wr, tuple(f if isinstance(f, int) else f.result() for f in fs))
@@ -432,12 +429,14 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         return fut
 
     def _engine_checksums(
-        self, results: list[WriteResult], part_counts: list[int], digests: dict[int, int | None]
+        self, results: list[WriteResult], digests: dict[int, int | None]
     ) -> list[WriteResult]:
-        """``results`` with the checksums the engine reported for their parts, in the order
-        they were handed to it."""
+        """``results`` with the checksums the engine reported for their parts, numbered in the
+        order they were handed to it."""
         out, i = [], 0
-        for wr, count in zip(results, part_counts, strict=True):
+        for wr in results:
+            loc: ItemLocation = wr.storage_data
+            count = len(part_ranges(loc.nbytes, loc.part_bytes))
             sums = tuple(digests.get(j) for j in range(i, i + count))
             if None in sums:
                 raise RuntimeError(
