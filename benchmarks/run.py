@@ -6,7 +6,8 @@
 Baselines: DCP FileSystemWriter/Reader on /dev/shm and on disk, torch.save/load on /dev/shm,
 a minimal raw-socket Redis client (pipelined SET from memory, GET with recv_into straight into
 a preallocated buffer), raw LMDB put/get. kvckpt: LMDB (first save into a new store, steady
-state with keep_last, load), Redis (save, load), 10,000 small tensors, dcp.async_save blocking
+state with keep_last, load), Redis (save into an empty server and steady saves with keep_last,
+load; DCP's t=1 save taking turns with them), 10,000 small tensors, dcp.async_save blocking
 time, and peak anonymous RSS. Figures are medians; ratios are taken within this run.
 Writes results.json and results.png to --out.
 """
@@ -448,18 +449,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 dest, storage_reader=KVStorageReader(url, **options), checkpoint_id="r"
             )
 
+        # The saves into database 0 start from an empty server (FLUSHDB just before, which
+        # hands redis-server's allocator the previous values' memory); DCP's t=1 save takes its
+        # turn among them under the same rule (its previous directory deleted just before),
+        # since on a VM whose fresh-memory timings drift, a DCP figure timed in a block at the
+        # start of the run is not comparable with these. The steady case is a training job's
+        # pattern: repeated saves with keep_last=1 into database 1, each timed save writing a
+        # new checkpoint and deleting the previous one.
+        steady_url = f"{redis_url}/1"
+        for _ in range(2):
+            dcp.save(
+                sd, storage_writer=KVStorageWriter(steady_url, keep_last=1), checkpoint_id=next(ids)
+            )
+        turn_dirs: list[Path] = []
+
+        def next_dcp_dir() -> None:
+            for old in turn_dirs:
+                shutil.rmtree(old, ignore_errors=True)
+            turn_dirs[:] = [fresh(scratch)]
+
         record_turns(
             {
-                "raw_redis_set": (lambda: raw.set_many(items), client.flushall),
-                "kv_redis_save": (kv_save(redis_url), client.flushall),
-                "kv_redis_save_nosum": (kv_save(redis_url, checksums=False), client.flushall),
+                "raw_redis_set": (lambda: raw.set_many(items), client.flushdb),
+                "kv_redis_save": (kv_save(redis_url), client.flushdb),
+                "kv_redis_save_nosum": (kv_save(redis_url, checksums=False), client.flushdb),
                 # checksums hashed on a worker thread while the engine sends (how saves hashed
                 # before hashes_while_writing, and how they do for engines without it)
-                "kv_redis_save_sum_thread": (kv_save(thread_hashing), client.flushall),
-                "kv_redis_unix_save": (kv_save(unix_url), client.flushall),
+                "kv_redis_save_sum_thread": (kv_save(thread_hashing), client.flushdb),
+                "kv_redis_unix_save": (kv_save(unix_url), client.flushdb),
+                "kv_redis_save_steady": (
+                    lambda: dcp.save(
+                        sd,
+                        storage_writer=KVStorageWriter(steady_url, keep_last=1),
+                        checkpoint_id=next(ids),
+                    ),
+                    None,
+                ),
+                "dcp_fs_shm_save_t1_turns": (
+                    lambda: dcp.save(
+                        sd, storage_writer=dcp.FileSystemWriter(turn_dirs[-1], thread_count=1)
+                    ),
+                    next_dcp_dir,
+                ),
             },
             size,
         )
+        next_dcp_dir()
+        shutil.rmtree(turn_dirs[-1], ignore_errors=True)
         client.flushall()
         raw.set_many(items)  # the raw client's keys and kvckpt's checkpoint, side by side
         kv_save(redis_url)()
@@ -647,10 +683,16 @@ def ratios(r: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:
             g("kv_redis_save") / g("raw_redis_set") >= 0.8,
         ),
         (
-            "Redis save / DCP FS shm t=1",
-            g("kv_redis_save") / g("dcp_fs_shm_save_t1"),
+            "Redis save / DCP FS shm t=1 (taking turns)",
+            g("kv_redis_save") / g("dcp_fs_shm_save_t1_turns"),
             ">= 1.0",
-            g("kv_redis_save") / g("dcp_fs_shm_save_t1") >= 1.0,
+            g("kv_redis_save") / g("dcp_fs_shm_save_t1_turns") >= 1.0,
+        ),
+        (
+            "Redis save steady, keep_last=1 / DCP FS shm t=1 (taking turns)",
+            g("kv_redis_save_steady") / g("dcp_fs_shm_save_t1_turns"),
+            "(a training job's pattern)",
+            None,
         ),
         (
             "Redis load / raw-socket GET-into",
@@ -700,7 +742,7 @@ def ratios(r: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:
             )
         )
     for label, ours, base in (
-        ("save", "kv_redis_unix_save", "dcp_fs_shm_save_t1"),
+        ("save", "kv_redis_unix_save", "dcp_fs_shm_save_t1_turns"),
         ("load", "kv_redis_unix_load", "dcp_fs_shm_load"),
     ):
         rows.append(

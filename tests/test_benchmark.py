@@ -38,6 +38,8 @@ def test_benchmark_smoke_run(tmp_path) -> None:
         "kv_lmdb_save_steady",
         "kv_lmdb_load",
         "kv_redis_save",
+        "kv_redis_save_steady",
+        "dcp_fs_shm_save_t1_turns",
         "kv_redis_load",
         "small_kv_lmdb",
         "async_block_kv_lmdb",
