@@ -70,3 +70,11 @@ def advise_huge_pages(state_dict: Any) -> int:
         if end > start and _madvise(start, end - start, _MADV_HUGEPAGE) == 0:
             advised += end - start
     return advised
+
+
+def accelerator_available() -> bool:
+    """Whether pinned host memory has a device to serve (pinning fails without one)."""
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if accelerator is not None:
+        return bool(accelerator.is_available())
+    return torch.cuda.is_available()

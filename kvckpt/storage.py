@@ -75,7 +75,7 @@ from .format import (
     part_ranges,
 )
 from .manage import NEVER, gc
-from .staging import advise_huge_pages
+from .staging import accelerator_available, advise_huge_pages
 from .urls import open_store, validate_name
 
 logger = logging.getLogger(__name__)
@@ -274,12 +274,21 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``dcp.async_save``'s blocking copy: DCP's own, into buffers that ask for huge pages
-        (kvckpt/staging.py says why). Without ``huge_pages``, or with a cached staging copy,
-        DCP's, unchanged."""
-        if self.cache_staged_state_dict or not self.huge_pages:
-            return BlockingAsyncStager.stage(self, state_dict)
+        (kvckpt/staging.py says why) when ``huge_pages`` is set. With
+        ``cache_staged_state_dict``, into one copy kept across saves, as DCP does, except that
+        the copy is pinned only where an accelerator can use pinned memory: DCP pins it
+        unconditionally, which fails on a host without one."""
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
+        if self.cache_staged_state_dict:
+            if self.state_dict_cache is None:
+                pin = accelerator_available()
+                self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=pin)
+                if not pin and self.huge_pages:
+                    advise_huge_pages(self.state_dict_cache)
+            return _copy_state_dict(state_dict, self.state_dict_cache, type_check=self.type_check)
+        if not self.huge_pages:
+            return BlockingAsyncStager.stage(self, state_dict)
         staged = _create_cpu_state_dict(state_dict)
         advise_huge_pages(staged)
         _copy_state_dict(state_dict, staged, type_check=self.type_check)

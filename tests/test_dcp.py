@@ -463,3 +463,30 @@ def test_async_save_with_a_reused_dcp_stager(store_url: str) -> None:
             f"s{step}",
         )
         assert all(torch.equal(t, torch.full_like(t, step)) for t in out.values())
+
+
+def test_writer_reused_with_cache_staged_state_dict_on_a_cpu_host(store_url: str) -> None:
+    """cache_staged_state_dict=True keeps one staging copy across dcp.async_save calls. DCP's
+    stager pins that copy unconditionally, which fails where there is no accelerator; kvckpt's
+    pins it only where one is. Each checkpoint still holds its own step's values."""
+    writer = KVStorageWriter(store_url, keep_last=2, cache_staged_state_dict=True)
+    sd = {"w": torch.zeros(1000), "b": torch.zeros(10, dtype=torch.bfloat16)}
+    buffers = []
+    for step in (1, 2, 3):
+        for t in sd.values():
+            t.fill_(step)
+        writer.reset(f"s{step}")
+        fut = dcp.async_save(sd, storage_writer=writer, checkpoint_id=None)
+        fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse on newer torch
+        fut.result()
+        buffers.append(writer.state_dict_cache["w"].data_ptr())
+    assert len(set(buffers)) == 1  # the same staging copy, reused
+    assert not writer.state_dict_cache["w"].is_pinned() or torch.cuda.is_available()
+    assert [c.checkpoint_id for c in list_checkpoints(store_url)] == ["s3", "s2"]
+    for step in (2, 3):
+        out = load(
+            {"w": torch.empty(1000), "b": torch.empty(10, dtype=torch.bfloat16)},
+            store_url,
+            f"s{step}",
+        )
+        assert all(torch.equal(t, torch.full_like(t, step)) for t in out.values())
