@@ -44,6 +44,8 @@ def test_benchmark_smoke_run(tmp_path) -> None:
         "kv_redis_load",
         "small_kv_lmdb",
         "async_block_kv_lmdb",
+        "async_block_kv_lmdb_cached",
+        "async_block_dcp_fs_shm_cached",
     ):
         assert data[case]["gbps"] > 0, case
     assert {r["metric"] for r in data["ratios"]} >= {"LMDB load / DCP FileSystemReader shm"}
