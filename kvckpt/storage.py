@@ -210,7 +210,9 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
             renewed while data is written). A second writer of the same id fails fast while the
             lease is held; a crashed writer's lease lapses after this long.
         cache_staged_state_dict: reuse one staging copy across ``dcp.async_save`` calls (as
-            DCP's ``FileSystemWriter``).
+            DCP's ``FileSystemWriter``), kept in host memory between saves; keep the writer
+            across saves (``writer.reset(new_id)`` before each). The copy is pinned where an
+            accelerator is, and plain memory on a CPU-only host (where DCP's own fails).
         huge_pages: ask the kernel for transparent huge pages on ``dcp.async_save``'s staging
             copy (Linux; off by default). The median save blocks up to 2.5x less (fewer page
             faults), but saves stall now and then while the kernel compacts memory into huge
