@@ -40,6 +40,8 @@ def test_benchmark_smoke_run(tmp_path) -> None:
         "kv_redis_save",
         "kv_redis_save_steady",
         "dcp_fs_shm_save_t1_turns",
+        "dcp_fs_shm_save_t2_turns",
+        "kv_lmdb_save_first",
         "dcp_fs_shm_save_t1_keep1",
         "kv_redis_load",
         "small_kv_lmdb",
