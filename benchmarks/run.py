@@ -385,8 +385,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         first_urls: list[str] = []
 
         def next_lmdb_store() -> None:
-            close_idle_environments()
+            # closing only this store: unmapping the steady store would make its next save
+            # fault every page in again, which a training job's store never does
             for url in first_urls:
+                close_idle_environments(url.removeprefix("lmdb://"))
                 shutil.rmtree(url.removeprefix("lmdb://"), ignore_errors=True)
             first_urls[:] = [f"lmdb://{fresh(scratch)}"]
 
@@ -484,7 +486,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             },
             size,
         )
-        close_idle_environments()
+        for url in first_urls:
+            close_idle_environments(url.removeprefix("lmdb://"))
         for old in (*first_urls, *(d for ds in turn_dirs.values() for d in ds), *keep1_dirs):
             shutil.rmtree(str(old).removeprefix("lmdb://"), ignore_errors=True)
         client.flushall()

@@ -93,6 +93,28 @@ def test_lmdb_two_engines_one_env_in_a_process(tmp_path) -> None:
     assert b.get("x") == b"1"
 
 
+def test_lmdb_close_idle_environments_of_one_path(tmp_path) -> None:
+    """Deleting one store's directory must not unmap another store a training job keeps
+    saving into (its next save would fault every page in again)."""
+    import os
+
+    from kvckpt.engines.lmdb import _SharedEnv, close_idle_environments
+
+    kept, dropped = str(tmp_path / "kept"), str(tmp_path / "dropped")
+    for path in (kept, dropped):
+        engine = LMDBEngine(path)
+        engine.put_many([("x", b"1")])
+        engine.close()  # idle now: still open and mapped
+    open_paths = {path for pid, path in _SharedEnv._envs if pid == os.getpid()}
+    assert {os.path.realpath(kept), os.path.realpath(dropped)} <= open_paths
+    close_idle_environments(dropped)
+    open_paths = {path for pid, path in _SharedEnv._envs if pid == os.getpid()}
+    assert os.path.realpath(kept) in open_paths
+    assert os.path.realpath(dropped) not in open_paths
+    assert LMDBEngine(dropped).get("x") == b"1"  # reopens on demand
+    close_idle_environments()
+
+
 def test_lmdb_reads_are_zero_copy_views(tmp_path) -> None:
     engine = LMDBEngine(str(tmp_path / "s"))
     engine.put_many([("v", b"hello")])

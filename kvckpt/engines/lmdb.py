@@ -175,12 +175,14 @@ class _SharedEnv:
                 cls._envs.pop(oldest).env.close()
 
     @classmethod
-    def close_idle(cls) -> None:
-        """Close every environment no engine is using."""
+    def close_idle(cls, path: str | None = None) -> None:
+        """Close every environment no engine is using, or only ``path``'s."""
+        real = None if path is None else os.path.realpath(path)
         with cls._lock:
             for key in list(cls._idle):
-                del cls._idle[key]
-                cls._envs.pop(key).env.close()
+                if real is None or key[1] == real:
+                    del cls._idle[key]
+                    cls._envs.pop(key).env.close()
 
 
 class LMDBEngine(Engine):
@@ -475,10 +477,13 @@ def _reset_lock_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_lock_after_fork)
 
 
-def close_idle_environments() -> None:
+def close_idle_environments(path: str | None = None) -> None:
     """Unmap and close every LMDB environment no engine in this process is using (kvckpt
-    keeps a few open so repeated loads and saves find their pages already mapped)."""
-    _SharedEnv.close_idle()
+    keeps a few open so repeated loads and saves find their pages already mapped), or only the
+    one at ``path``: before deleting a store's directory, whose memory stays allocated while
+    it is mapped, without unmapping the stores still in use (which would make their next save
+    or load fault every page in again)."""
+    _SharedEnv.close_idle(path)
 
 
 def _rebuild(
