@@ -22,12 +22,11 @@ from kvckpt import KVStorageReader, KVStorageWriter, gc, latest_checkpoint, list
 MIB = 1 << 20
 
 
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "small"
+def mount_tmpfs(mnt: Path, size_mib: int) -> Iterator[Path]:
     mnt.mkdir()
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(mnt)],
+        capture_output=True,
     )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
@@ -35,6 +34,17 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    yield from mount_tmpfs(tmp_path / "small", 16)
+
+
+@pytest.fixture
+def fs_256m(tmp_path: Path) -> Iterator[Path]:
+    """Big enough for saves that take the multi-threaded MADV_POPULATE_WRITE path (>= 64 MiB)."""
+    yield from mount_tmpfs(tmp_path / "fs256", 256)
 
 
 def sd(mib: int, value: float) -> dict[str, torch.Tensor]:
@@ -81,3 +91,86 @@ def test_filesystem_full_is_a_clear_error(small_fs: Path, writemap: int) -> None
     gc(url, incomplete_older_than=0)
     dcp.save(sd(2, 3.0), storage_writer=KVStorageWriter(url), checkpoint_id="next")
     assert latest_checkpoint(url) == "next"
+
+
+POPULATE_PAST_THE_END = """
+import mmap, os, sys
+from kvckpt.engines.lmdb import _populate_write
+path = os.path.join(sys.argv[1], "data.mdb")
+fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, 512 << 20)  # sparse: twice what the filesystem holds
+mm = mmap.mmap(fd, 512 << 20)
+print(_populate_write(path, 0, 512 << 20))
+"""
+
+
+def test_populating_more_than_the_filesystem_holds_fails_cleanly(fs_256m: Path) -> None:
+    """MADV_POPULATE_WRITE into a tmpfs without room reports failure (EFAULT); it must not
+    kill the process with SIGBUS, as a write into such a page would (in a child: rc -7)."""
+    done = subprocess.run(
+        [sys.executable, "-c", POPULATE_PAST_THE_END, str(fs_256m)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip() == "False"
+
+
+def test_big_saves_on_tmpfs_allocate_by_populating_and_still_fail_cleanly(
+    fs_256m: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save of >= 64 MiB on a tmpfs with room allocates its pages with MADV_POPULATE_WRITE
+    in several threads, not fallocate; one without room still gets StoreFullError."""
+    from kvckpt.engines import lmdb as lmdb_engine
+
+    assert lmdb_engine._on_tmpfs(str(fs_256m / "store"))
+    populated: list[bool] = []
+    fallocated: list[int] = []
+    populate, fallocate = lmdb_engine._populate_write, os.posix_fallocate
+
+    def spy_populate(*args: object) -> bool:
+        populated.append(populate(*args))  # type: ignore[arg-type]
+        return populated[-1]
+
+    def spy_fallocate(fd: int, offset: int, length: int) -> None:
+        fallocated.append(length)
+        fallocate(fd, offset, length)
+
+    monkeypatch.setattr(lmdb_engine, "_populate_write", spy_populate)
+    monkeypatch.setattr(os, "posix_fallocate", spy_fallocate)
+    url = f"lmdb://{fs_256m / 'store'}"
+    dcp.save(sd(80, 1.0), storage_writer=KVStorageWriter(url), checkpoint_id="a")
+    assert populated and all(populated)
+    assert all(n < 64 * MIB for n in fallocated)  # only the small writes (metadata)
+    monkeypatch.undo()
+    data = fs_256m / "store" / "data.mdb"
+    assert data.stat().st_blocks * 512 >= 80 * MIB  # the pages exist in the filesystem
+    out = sd(80, 0.0)
+    dcp.load(out, storage_reader=KVStorageReader(url, checkpoint_id="a"))
+    assert torch.equal(out["w"], sd(80, 1.0)["w"])
+
+    too_big = SAVE_TOO_BIG.replace("torch.ones(32 << 18)", "torch.ones(200 << 18)")
+    done = subprocess.run(
+        [sys.executable, "-c", too_big, url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert done.returncode == 3, (done.returncode, done.stderr[-2000:])
+    assert "StoreFullError" in done.stdout and "no space left" in done.stdout
+    assert latest_checkpoint(url) == "a"
+    dcp.load(out, storage_reader=KVStorageReader(url, checkpoint_id="a"))
+    assert torch.equal(out["w"], sd(80, 1.0)["w"])
+
+
+def test_on_tmpfs() -> None:
+    from kvckpt.engines.lmdb import _on_tmpfs
+
+    assert not _on_tmpfs("/proc/self")
+    if Path("/dev/shm").is_dir() and "tmpfs" in Path("/proc/mounts").read_text():
+        assert _on_tmpfs("/dev/shm/kvckpt-not-created-yet/store") == any(
+            line.split()[1:3] == ["/dev/shm", "tmpfs"]
+            for line in Path("/proc/mounts").read_text().splitlines()
+        )

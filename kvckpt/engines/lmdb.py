@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
+import mmap
 import os
 import sys
 import threading
@@ -48,15 +50,30 @@ _KEEP_IDLE = 8
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _populate_ok = sys.platform == "linux"
+#: Threads that map pages in at once: the kernel allocates, zeroes and maps each page, and
+#: several threads do that in parallel (1 GiB on a tmpfs, 2-core VM: 744 ms in one call,
+#: 384 ms in two threads).
+_POPULATE_THREADS = 4
+_POPULATE_MIN_PIECE = 64 * _MIB
 
 
-def _populate_write(data_file: str, offset: int, length: int) -> None:
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _populate_write(data_file: str, offset: int, length: int) -> bool:
     """Map ``length`` bytes of LMDB's writable memory map at ``offset`` into this process's
-    page tables in one ``madvise(MADV_POPULATE_WRITE)`` call instead of one fault per page.
-    Best effort: on other systems, or if anything is off, LMDB's writes fault pages in."""
+    page tables with ``madvise(MADV_POPULATE_WRITE)`` (split over a few threads) instead of
+    one fault per page as LMDB writes. Where the file has holes there (a tmpfs file not
+    ``fallocate``d), this allocates the pages too, and a filesystem without room makes it fail
+    with EFAULT, not SIGBUS. True if every page is allocated and mapped; False if not (other
+    systems, old kernels, no room, anything off), and then LMDB's writes fault pages in."""
     global _populate_ok
     if not _populate_ok:
-        return
+        return False
     real = os.path.realpath(data_file)
     try:
         with open("/proc/self/maps") as maps:
@@ -66,16 +83,56 @@ def _populate_write(data_file: str, offset: int, length: int) -> None:
                     start, end = int(start_s, 16), int(end_s, 16)
                     break
             else:
-                return
+                return False
         length = min(length, end - start - offset)
         if length <= 0:
-            return
+            return False
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        if libc.madvise(start + offset, length, _MADV_POPULATE_WRITE) != 0:
-            _populate_ok = ctypes.get_errno() not in (errno.EINVAL, errno.ENOSYS)
+        n = max(1, min(_POPULATE_THREADS, _cpus(), length // _POPULATE_MIN_PIECE))
+        page = mmap.PAGESIZE
+        piece = -(-length // n // page) * page
+        errnos: list[int] = []
+
+        def populate(at: int, size: int) -> None:
+            if size > 0 and libc.madvise(start + at, size, _MADV_POPULATE_WRITE) != 0:
+                errnos.append(ctypes.get_errno())
+
+        pieces = [(offset + i * piece, min(piece, length - i * piece)) for i in range(n)]
+        threads = [threading.Thread(target=populate, args=p, daemon=True) for p in pieces[1:]]
+        for t in threads:
+            t.start()
+        populate(*pieces[0])
+        for t in threads:
+            t.join()
+        if errnos:
+            _populate_ok = not {errno.EINVAL, errno.ENOSYS} & set(errnos)
+            return False
+        return True
     except (OSError, ValueError, AttributeError):
         _populate_ok = False
+        return False
+
+
+def _on_tmpfs(path: str) -> bool:
+    """Whether ``path`` lies on a tmpfs (where ``fallocate`` is the expensive part: it
+    allocates and zeroes every page, in one thread)."""
+    real = os.path.realpath(path)
+    best, fstype = "", ""
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mnt = fields[1].replace("\\040", " ")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(
+                    best
+                ):
+                    best, fstype = mnt, fields[2]
+    except OSError:
+        return False
+    return fstype == "tmpfs"
 
 
 class _SharedEnv:
@@ -307,12 +364,16 @@ class LMDBEngine(Engine):
         4 KiB page (on a VM, far slower than the copy itself); ``fallocate`` creates them in one
         call and ``MADV_POPULATE_WRITE`` maps them. Only the shortfall beyond the free pages
         LMDB can reuse is allocated, so a store in steady state (old checkpoints deleted, pages
-        reused) allocates nothing.
+        reused) allocates nothing. On a tmpfs with room to spare, ``fallocate`` is skipped: there
+        it allocates and zeroes every page in one thread, while ``MADV_POPULATE_WRITE`` split
+        over a few threads allocates and maps them at once (a first 1 GiB save on a 2-core VM:
+        about 0.75 s of allocating in one thread, 0.38 s in two).
 
         It is also what keeps a full filesystem from killing the process: with ``writemap``,
         LMDB stores into the map directly, and touching a page the filesystem has no room for
-        raises SIGBUS. Allocating first turns that into ENOSPC, and a clear error, before LMDB
-        writes anything.
+        raises SIGBUS. Allocating first turns that into ENOSPC (``fallocate``) or EFAULT
+        (``MADV_POPULATE_WRITE``, after which ``fallocate`` runs and reports it), and a clear
+        error, before LMDB writes anything.
         """
         if not self._options["writemap"]:
             return
@@ -322,6 +383,16 @@ class LMDBEngine(Engine):
         if length <= 0:
             return
         data_file = os.path.join(self.path, "data.mdb")
+        big = nbytes >= _POPULATE_MIN_PIECE
+        # (with room to spare, so that the last room on a filesystem goes through fallocate,
+        # which fails without leaving pages allocated)
+        if (
+            big
+            and self._tmpfs
+            and (self._free_bytes() or 0) >= 2 * length
+            and _populate_write(data_file, start, length)
+        ):
+            return
         try:
             fd = os.open(data_file, os.O_RDWR)
             try:
@@ -332,8 +403,19 @@ class LMDBEngine(Engine):
             if e.errno == errno.ENOSPC:
                 raise self._full(nbytes) from None
             return  # filesystems without fallocate: LMDB faults the pages in itself
-        if nbytes >= 64 * _MIB:
+        if big:
             _populate_write(data_file, start, length)
+
+    @functools.cached_property
+    def _tmpfs(self) -> bool:
+        return _on_tmpfs(self.path)
+
+    def _free_bytes(self) -> int | None:
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
 
     def _full(self, nbytes: int) -> StoreFullError:
         try:
@@ -374,11 +456,8 @@ class LMDBEngine(Engine):
             raise StoreUnavailableError(f"LMDB map at {self.path} could not grow enough")
 
     def _nearly_full(self, nbytes: int) -> bool:
-        try:
-            st = os.statvfs(self.path)
-        except OSError:
-            return False
-        return st.f_bavail * st.f_frsize < nbytes + nbytes // 16 + _MIB
+        free = self._free_bytes()
+        return free is not None and free < nbytes + nbytes // 16 + _MIB
 
     @contextmanager
     def _read_txn(self) -> Iterator[lmdb.Transaction]:
