@@ -419,11 +419,8 @@ class LMDBEngine(Engine):
         return st.f_bavail * st.f_frsize
 
     def _full(self, nbytes: int) -> StoreFullError:
-        try:
-            st = os.statvfs(self.path)
-            room = f"; the filesystem has {st.f_bavail * st.f_frsize} bytes free"
-        except OSError:
-            room = ""
+        free = self._free_bytes()
+        room = "" if free is None else f"; the filesystem has {free} bytes free"
         return StoreFullError(
             f"no space left for {nbytes} more bytes in the LMDB store at {self.path}{room}. "
             "Nothing committed was touched. Delete old checkpoints (`kvckpt gc URL "
