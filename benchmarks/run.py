@@ -384,13 +384,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ids = (f"c{i}" for i in range(10**9))
         first_urls: list[str] = []
 
-        def next_lmdb_store() -> None:
-            # closing only this store: unmapping the steady store would make its next save
+        def drop_first_stores() -> None:
+            # closing only these stores: unmapping the steady store would make its next save
             # fault every page in again, which a training job's store never does
             for url in first_urls:
                 close_idle_environments(url.removeprefix("lmdb://"))
                 shutil.rmtree(url.removeprefix("lmdb://"), ignore_errors=True)
-            first_urls[:] = [f"lmdb://{fresh(scratch)}"]
+            first_urls.clear()
+
+        def next_lmdb_store() -> None:
+            drop_first_stores()
+            first_urls.append(f"lmdb://{fresh(scratch)}")
 
         steady = f"lmdb://{fresh(scratch)}"
         for _ in range(2):  # warm up: freed pages exist to be reused
@@ -486,10 +490,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             },
             size,
         )
-        for url in first_urls:
-            close_idle_environments(url.removeprefix("lmdb://"))
-        for old in (*first_urls, *(d for ds in turn_dirs.values() for d in ds), *keep1_dirs):
-            shutil.rmtree(str(old).removeprefix("lmdb://"), ignore_errors=True)
+        drop_first_stores()
+        for old in (*(d for ds in turn_dirs.values() for d in ds), *keep1_dirs):
+            shutil.rmtree(old, ignore_errors=True)
         client.flushall()
 
         # kvckpt LMDB loads, from the steady store

@@ -126,9 +126,8 @@ def _on_tmpfs(path: str) -> bool:
                 if len(fields) < 3:
                     continue
                 mnt = fields[1].replace("\\040", " ")
-                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(
-                    best
-                ):
+                under = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+                if under and len(mnt) >= len(best):  # the innermost mount holding the path
                     best, fstype = mnt, fields[2]
     except OSError:
         return False
