@@ -26,6 +26,7 @@ from .manage import (
     latest_checkpoint,
     list_checkpoints,
 )
+from .staging import background_stager
 from .storage import KVStorageReader, KVStorageWriter
 from .tiered import Restore, TieredStorageWriter, Tiers
 from .transfer import DirectoryReader
@@ -56,6 +57,7 @@ __all__ = [
     "UnsafeObjectError",
     "UnsafeStoreError",
     "UnsupportedFormatVersionError",
+    "background_stager",
     "delete_checkpoint",
     "gc",
     "latest_checkpoint",

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 from torch.futures import Future as TorchFuture
 
-from .catalog import hold_read_lease, mark_pending, publish
+from .catalog import hold_read_lease, mark_pending, publish, read_lease
 from .engines.base import Engine
 from .errors import KVCheckpointError, ReplicationError
 from .format import ItemLocation, part_ranges
@@ -121,6 +121,7 @@ class Tiers:
         self._failed: set[str] = set()  # saves whose copy failed in this process
         self._busy: Counter[str] = Counter()  # checkpoint id -> background jobs on it
         self._renew_lease: Callable[..., None] = _no_renewal  # the running job's lease
+        self._prefetch: Future[Restore | None] | None = None
 
     @property
     def stores(self) -> list[str]:
@@ -233,42 +234,14 @@ class Tiers:
         locations: list[ItemLocation],
     ) -> None:
         """Copy one rank's values of a save from the first tier to ``tiers``."""
-        src = self.engines[0]
-        # (source key, destination keys by tier, size) of every part
-        parts: list[tuple[str, list[str], int]] = []
-        for loc in locations:
-            src_keys = loc.keys(src.prefix, checkpoint_id, save_id)
-            dst_keys = [loc.keys(self.engines[i].prefix, checkpoint_id, save_id) for i in tiers]
-            for p, (a, b) in enumerate(part_ranges(loc.nbytes, loc.part_bytes)):
-                parts.append((src_keys[p], [keys[p] for keys in dst_keys], b - a))
-        start = 0
-        while start < len(parts):
-            stop, size = start, 0
-            while stop < len(parts) and (stop == start or size + parts[stop][2] <= _COPY_BATCH):
-                size += parts[stop][2]
-                stop += 1
-            batch = parts[start:stop]
-            buffer = memoryview(bytearray(size))
-            views, offset = [], 0
-            for _, _, n in batch:
-                views.append(buffer[offset : offset + n])
-                offset += n
-            src_keys = [k for k, _, _ in batch]
-            got = src.get_into(src_keys, views)
-            for key, view, n in zip(src_keys, views, got, strict=True):
-                if n != view.nbytes:
-                    raise ReplicationError(
-                        f"copying checkpoint {checkpoint_id!r}: {key!r} in {src.url} holds "
-                        f"{n} bytes, expected {view.nbytes} (deleted meanwhile?)"
-                    )
-            for t, i in enumerate(tiers):
-                self.engines[i].put_many(
-                    (dst_keys[t], view) for (_, dst_keys, _), view in zip(batch, views, strict=True)
-                )
-            start = stop
-            self._renew_lease()
-        for i in tiers:
-            self.engines[i].sync_replicas()
+        copy_values(
+            self.engines[0],
+            [self.engines[i] for i in tiers],
+            checkpoint_id,
+            save_id,
+            locations,
+            self._renew_lease,
+        )
 
     def _commit_copies(
         self,
@@ -399,21 +372,108 @@ class Tiers:
 
     # -- restoring ----------------------------------------------------------------------------
 
+    def prefetch(self, *, local_rank: int | None = None) -> Future[Restore | None] | None:
+        """Start copying the newest checkpoint from a shared tier into the first (node-local)
+        tier, in the background; ``latest()`` and ``restore()`` wait for it, then read local
+        memory.
+
+        Call it at the top of the training script, right after constructing ``Tiers``: the copy
+        then runs while the rest of the start-up does (process group, model, optimizer), which
+        a restore would otherwise wait for and then read over the network. It needs no process
+        group. One process per node copies, local rank 0 (``local_rank``, by default torchrun's
+        ``LOCAL_RANK``); the others return None at once.
+
+        The future's result is the local copy (None when there is nothing to bring: no
+        checkpoint, the first tier already holds the newest, or it is only in the durable
+        directory). A failed copy is logged and leaves nothing behind; the restore then reads
+        the shared tier, as without a prefetch.
+        """
+        if local_rank is None:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank != 0 or self.engines[0].shared or len(self.engines) == 1:
+            return None
+        with self._lock:
+            if self._prefetch is None:
+                self._prefetch = self._pool.submit(self._bring_newest)
+            return self._prefetch
+
+    def _bring_newest(self) -> Restore | None:
+        choice = self._choose(single_host=True)
+        if choice is None or choice.tier in (0, len(self.engines)):
+            return None
+        src, dst = self.engines[choice.tier], self.engines[0]
+        checkpoint_id = choice.checkpoint_id
+        with read_lease(src, checkpoint_id, self.replicate_timeout) as renew:
+            record = KVStorageReader(src, checkpoint_id=checkpoint_id).read_record()
+            if record.created_at != choice.created_at:
+                return None  # saved again meanwhile: the restore chooses afresh
+            save_id, locations = record.save_id, list(record.locations.values())
+            mark_pending(dst, checkpoint_id, save_id, None, self.replicate_timeout)
+            try:
+                copy_values(src, [dst], checkpoint_id, save_id, locations, renew)
+                publish(
+                    dst,
+                    record.metadata,
+                    record.locations,
+                    checkpoint_id=checkpoint_id,
+                    save_id=save_id,
+                    world_size=record.world_size,
+                    created_at=record.created_at,
+                )
+            except BaseException:
+                self._discard(dst, checkpoint_id, save_id)
+                raise
+        logger.info("kvckpt tiers: prefetched %r from %s into %s", checkpoint_id, src.url, dst.url)
+        return dataclasses.replace(choice, tier=0, source=dst.url)
+
+    def _await_prefetch(self) -> None:
+        if self._prefetch is None:
+            return
+        try:
+            self._prefetch.result()
+        except Exception as e:
+            logger.warning("kvckpt tiers: prefetch failed, restoring from the shared tier: %s", e)
+
+    def _holds(self, tier: int, choice: Restore) -> bool:
+        """Whether ``tier`` holds the same save of the chosen checkpoint, whole."""
+        try:
+            infos = list_checkpoints(self.engines[tier])
+        except KVCheckpointError:
+            return False
+        return any(
+            i.checkpoint_id == choice.checkpoint_id
+            and i.created_at == choice.created_at
+            and i.complete
+            and not i.rank_local
+            for i in infos
+        )
+
     def latest(self) -> Restore | None:
         """The newest complete checkpoint in any tier, from the fastest tier that holds it.
 
         Collective when ``torch.distributed`` is initialised: rank 0 chooses and every rank
         gets the same answer. A store that is not shared (LMDB) is used only when every rank
         runs on one host: in a multi-node job each node's local store holds only its own ranks'
-        data, so the shared tiers serve the restore.
+        data, so the shared tiers serve the restore, unless every node's local store holds the
+        whole checkpoint (``prefetch()``). Waits for this process's ``prefetch()``.
         """
+        self._await_prefetch()
         if not (dist.is_available() and dist.is_initialized()):
             return self._choose(single_host=True)
         hosts: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(hosts, socket.gethostname())
-        choice = [self._choose(len(set(hosts)) == 1) if dist.get_rank() == 0 else None]
+        single_host = len(set(hosts)) == 1
+        choice = [self._choose(single_host) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(choice, src=0)
-        return choice[0]
+        found = choice[0]
+        if found is None or single_host or found.tier == 0 or self.engines[0].shared:
+            return found
+        # Every node prefetched it: each rank reads its own node's copy.
+        local: list[bool | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(local, self._holds(0, found))
+        if all(local):
+            return dataclasses.replace(found, tier=0, source=self.engines[0].url)
+        return found
 
     def _choose(self, single_host: bool) -> Restore | None:
         found: list[Restore] = []
@@ -465,6 +525,55 @@ class Tiers:
             return None
         dcp.load(state_dict, storage_reader=self.reader(choice), **load_options)
         return choice
+
+
+def copy_values(
+    src: Engine,
+    dsts: Sequence[Engine],
+    checkpoint_id: str,
+    save_id: str,
+    locations: Sequence[ItemLocation],
+    renew: Callable[[], None],
+) -> None:
+    """Copy the values of a save's items from ``src`` to each of ``dsts`` under the same keys,
+    in batches of at most 64 MiB read into one reused buffer; ``renew`` is called after each
+    batch (the caller's read lease)."""
+    # (source key, destination keys, size) of every part
+    parts: list[tuple[str, list[str], int]] = []
+    for loc in locations:
+        src_keys = loc.keys(src.prefix, checkpoint_id, save_id)
+        dst_keys = [loc.keys(dst.prefix, checkpoint_id, save_id) for dst in dsts]
+        for p, (a, b) in enumerate(part_ranges(loc.nbytes, loc.part_bytes)):
+            parts.append((src_keys[p], [keys[p] for keys in dst_keys], b - a))
+    largest = max((n for _, _, n in parts), default=0)
+    buffer = memoryview(bytearray(max(min(_COPY_BATCH, sum(n for _, _, n in parts)), largest)))
+    start = 0
+    while start < len(parts):
+        stop, size = start, 0
+        while stop < len(parts) and (stop == start or size + parts[stop][2] <= _COPY_BATCH):
+            size += parts[stop][2]
+            stop += 1
+        batch = parts[start:stop]
+        views, offset = [], 0
+        for _, _, n in batch:
+            views.append(buffer[offset : offset + n])
+            offset += n
+        src_keys = [k for k, _, _ in batch]
+        got = src.get_into(src_keys, views)
+        for key, view, n in zip(src_keys, views, got, strict=True):
+            if n != view.nbytes:
+                raise ReplicationError(
+                    f"copying checkpoint {checkpoint_id!r}: {key!r} in {src.url} holds "
+                    f"{n} bytes, expected {view.nbytes} (deleted meanwhile?)"
+                )
+        for t, dst in enumerate(dsts):
+            dst.put_many(
+                (dst_keys[t], view) for (_, dst_keys, _), view in zip(batch, views, strict=True)
+            )
+        start = stop
+        renew()
+    for dst in dsts:
+        dst.sync_replicas()
 
 
 def _no_renewal(force: bool = False) -> None:

@@ -229,3 +229,30 @@ def two_node_lmdb_worker(rank: int, world_size: int, port: int, base: str) -> No
         sd = {f"r{rank}": torch.full((1 << 12,), float(step)), "shared": torch.zeros(4)}
         dcp.save(sd, storage_writer=KVStorageWriter(url, keep_last=1), checkpoint_id=f"step-{step}")
     _finish()
+
+
+def prefetch_two_nodes_worker(
+    rank: int, world_size: int, port: int, locals_: list[str], shared: str, prefetch: list[bool]
+) -> None:
+    """Each rank plays a node of its own (its own hostname and node-local store) that
+    ``prefetch``es or not; the restore reads the node-local copies only if every node has one."""
+    import socket
+
+    from kvckpt import Tiers
+
+    socket.gethostname = lambda: f"node{rank}"  # type: ignore[assignment]
+    tiers = Tiers([locals_[rank], shared])
+    if prefetch[rank]:
+        assert tiers.prefetch(local_rank=0) is not None
+    _init(rank, world_size, port)
+    out = {
+        "w": torch.zeros(1 << 18),
+        "opt": {"m": torch.zeros(1000, dtype=torch.float64), "step": torch.tensor(0)},
+        "step": 0,
+    }
+    choice = tiers.restore(out)
+    assert choice is not None and choice.checkpoint_id == "step-2"
+    assert choice.tier == (0 if all(prefetch) else 1), choice
+    assert torch.equal(out["w"], torch.full((1 << 18,), 2.0)) and out["step"] == 2
+    tiers.close()
+    _finish()
