@@ -288,6 +288,7 @@ def main() -> None:
             load_seconds=load_seconds,
         )
         print(f"[rank {rank}] resumed from {name} ({source})", flush=True)
+    log(event="ready", step=step, restore_start=restore_start, restore_end=time.time())
 
     stager = kvckpt.background_stager() if args.staging == "background" else None
     saving: Any = None  # the save in flight: a Future, or an AsyncSaveResponse
@@ -336,6 +337,10 @@ def main() -> None:
     log(event="done", step=step, t=time.time())
     dist.barrier()
     dist.destroy_process_group()
+    # Leave now, with the model still alive: freeing DDP's reducer at interpreter exit can
+    # deadlock with gloo's worker thread over the GIL, and torch 2.13's gloo can abort in a
+    # static destructor.
+    os._exit(0)
 
 
 def staged_async(saving: Any) -> bool:
@@ -345,4 +350,3 @@ def staged_async(saving: Any) -> bool:
 
 if __name__ == "__main__":
     main()
-    os._exit(0)  # torch 2.13's gloo can abort in a static destructor at interpreter exit

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -87,3 +89,34 @@ def test_gpu_benchmark_without_a_gpu_says_so() -> None:
         assert result.returncode == 0, result.stderr[-3000:]
     else:
         assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr
+
+
+def test_goodput_smoke_run(tmp_path) -> None:
+    """benchmarks/goodput.py end to end with a tiny model: interval calibration, time to first
+    step, and a run with one SIGKILL per system, all reported (no timing asserted)."""
+    out = tmp_path / "results"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/goodput.py",
+            *("--width", "32", "--layers", "1", "--steps", "2500", "--kills", "8"),
+            *("--calibrate-saves", "1", "--repeats", "1", "--systems", "lmdb,tiers"),
+            *("--max-load", "1000", "--out", str(out)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    data = json.loads((out / "goodput.json").read_text())
+    assert set(data["failures"]) == {"lmdb", "tiers"}
+    for run in data["failures"].values():
+        (failure,) = run["failures"]
+        assert failure["lost"] == pytest.approx(
+            failure["relaunch"] + failure["restore"] + failure["recompute"]
+        )
+    # the tiered job's restart restored from the node-local copy that prefetch brought
+    assert data["failures"]["tiers"]["failures"][0]["tier"] in (0, None)
+    assert (out / "goodput.md").read_text().startswith("| system |")
+    assert (out / "goodput.png").stat().st_size > 1000

@@ -1,0 +1,473 @@
+"""Training time lost per failure, and goodput, for each checkpointing system in one run.
+
+Runs ``examples/train_resume.py`` under ``torchrun`` (2 ranks, DDP, gloo on CPU; model plus
+AdamW, over 2 GiB of checkpointed state at the defaults) for each system:
+
+- DCP ``FileSystemWriter`` on disk, the page cache dropped after each kill (a replaced node
+  starts cold);
+- DCP ``FileSystemWriter`` on /dev/shm;
+- kvckpt LMDB on /dev/shm; kvckpt Redis (a local redis-server);
+- kvckpt ``Tiers`` (LMDB, then Redis) with the node-local store wiped at each restart (a
+  replaced node), restoring through ``Tiers.prefetch()``.
+
+Every system stages its saves with ``kvckpt.background_stager()`` (DCP's own ``DefaultStager``
+set up for this host), so the systems differ only in where the bytes go. Three phases:
+
+1. **Interval.** Failure-free runs, the systems taking turns with a run that never checkpoints,
+   save every ``--calibrate-every`` steps. The overhead of one save is the extra time of the
+   steps it spans; each system's interval is then the smallest number of steps whose overhead
+   is at most ``--overhead`` (5%) of failure-free training time. DCP's default ``async_save``
+   (its blocking copy) is measured here too, for the blocking comparison.
+2. **Time to first step.** A fresh start that never checkpoints, against a start that restores
+   ``Tiers``' newest checkpoint on a new node, with and without ``prefetch()``; taking turns.
+3. **Failures.** Each system trains ``--steps`` steps at its interval while the same SIGKILL
+   schedule (``--kills``, seconds after launch) kills a rank; torchrun restarts the job. Per
+   failure: *lost time* = kill -> the job is back at the step it had reached, split into
+   relaunch (kill -> the restore starts), restore, and recompute. *Goodput* = failure-free time
+   (the never-checkpointing run) / this run's time.
+
+    python benchmarks/goodput.py --out docs/benchmark
+
+Check ``/proc/loadavg`` first: the machine must be otherwise idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from report import write_report  # noqa: E402
+
+from examples.train_resume import model_for  # noqa: E402
+from kvckpt.testing import RedisServer, torchrun_command  # noqa: E402
+
+EXAMPLE = ROOT / "examples" / "train_resume.py"
+SYSTEMS = ["dcp-disk", "dcp-shm", "lmdb", "redis", "tiers"]
+NAMES = {
+    "none": "no checkpoints",
+    "dcp-disk": "DCP FileSystemWriter, disk (cold cache after a kill)",
+    "dcp-shm": "DCP FileSystemWriter, /dev/shm",
+    "lmdb": "kvckpt LMDB, /dev/shm",
+    "redis": "kvckpt Redis",
+    "tiers": "kvckpt Tiers, local store wiped (node replaced)",
+    "dcp-disk-default": "DCP FileSystemWriter, disk, DCP's default async_save staging",
+}
+
+
+@dataclass
+class Places:
+    """Where each system keeps its checkpoints; ``clear()`` empties them all."""
+
+    work: Path
+    shm: Path
+    disk: Path
+    server: RedisServer
+    runs: int = 0
+    extra: list[str] = field(default_factory=list)
+
+    def store_args(self, system: str) -> list[str]:
+        local = self.shm / "local"
+        return {
+            "none": ["--store", f"dcp:{self.shm / 'unused'}"],
+            "dcp-disk": ["--store", f"dcp:{self.disk / 'dcp'}"],
+            "dcp-disk-default": ["--store", f"dcp:{self.disk / 'dcp'}", "--staging", "blocking"],
+            "dcp-shm": ["--store", f"dcp:{self.shm / 'dcp'}"],
+            "lmdb": ["--store", f"lmdb://{local}"],
+            "redis": ["--store", self.server.url()],
+            "tiers": ["--store", f"lmdb://{local}", "--store", self.server.url()],
+        }[system]
+
+    def clear(self) -> None:
+        self.server.client().flushall()
+        for path in (self.shm, self.disk):
+            for child in path.iterdir():
+                shutil.rmtree(child, ignore_errors=True)
+
+
+def events_of(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def launch(places: Places, system: str, args: argparse.Namespace, *extra: str) -> tuple:
+    places.runs += 1
+    events = places.work / f"events-{places.runs}.jsonl"
+    cmd = torchrun_command(
+        EXAMPLE,
+        *places.store_args(system),
+        "--width",
+        str(args.width),
+        "--layers",
+        str(args.layers),
+        "--batch",
+        str(args.batch),
+        "--keep-last",
+        str(args.keep_last),
+        "--events",
+        str(events),
+        *extra,
+        max_restarts=len(args.kills),
+    )
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    log = open(places.work / f"run-{places.runs}.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return proc, events, log
+
+
+def finish(proc: subprocess.Popen, log: Any, what: str) -> None:
+    rc = proc.wait()
+    log.close()
+    if rc != 0:
+        tail = Path(log.name).read_text()[-4000:]
+        raise SystemExit(f"{what} failed (rc {rc}); see {log.name}\n{tail}")
+
+
+def run_to_end(places: Places, system: str, args: argparse.Namespace, *extra: str) -> list[dict]:
+    proc, events, log = launch(places, system, args, *extra)
+    finish(proc, log, f"{system} {' '.join(extra)}")
+    return events_of(events)
+
+
+def step_times(events: list[dict]) -> dict[int, float]:
+    """The wall time each step was (last) completed."""
+    return {e["step"]: e["t"] for e in events if e["event"] == "loss"}
+
+
+# -- phase 1: the interval -------------------------------------------------------------------
+
+
+def calibrate(places: Places, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    every, saves = args.calibrate_every, args.calibrate_saves
+    steps = every * (saves + 1)
+    window = (every, every * (saves + 1))  # spans the saves at every, 2*every, ..., saves*every
+    cases = ["none", *args.systems, "dcp-disk-default"]
+    spans: dict[str, list[float]] = {c: [] for c in cases}
+    blocking: dict[str, list[float]] = {c: [] for c in cases}
+    for rnd in range(args.calibrate_rounds):
+        for case in cases[rnd % len(cases) :] + cases[: rnd % len(cases)]:  # taking turns
+            places.clear()
+            wait_quiet(args)
+            ev = run_to_end(
+                places,
+                case,
+                args,
+                "--steps",
+                str(steps),
+                "--every",
+                "0" if case == "none" else str(every),
+            )
+            t = step_times(ev)
+            spans[case].append(t[window[1]] - t[window[0]])
+            blocking[case] += [e["blocking_seconds"] for e in ev if e["event"] == "save"]
+            print(f"calibrate {case}: {spans[case][-1]:.2f} s for steps {window}", flush=True)
+    base = statistics.median(spans["none"])
+    step = base / (window[1] - window[0])
+    out: dict[str, dict[str, Any]] = {"none": {"step_seconds": step, "spans": spans["none"]}}
+    for case in cases[1:]:
+        per_save = max(0.0, (statistics.median(spans[case]) - base) / saves)
+        out[case] = {
+            "spans": spans[case],
+            "overhead_per_save_seconds": per_save,
+            "interval": max(1, math.ceil(per_save / (args.overhead * step))),
+            "blocking_median": statistics.median(blocking[case]),
+            "blocking_max": max(blocking[case]),
+            "blocking": blocking[case],
+        }
+        print(f"{case}: {out[case]['overhead_per_save_seconds']:.2f} s per save", flush=True)
+    return out
+
+
+# -- phase 2: time to first step -------------------------------------------------------------
+
+
+def first_steps(places: Places, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Seconds from process start to the end of the first training step."""
+    places.clear()
+    run_to_end(places, "tiers", args, "--steps", "2", "--every", "2")  # a checkpoint to restore
+    local = places.shm / "local"
+    cases = {
+        "fresh start, no checkpoint": ("none", ["--steps", "1", "--every", "0"]),
+        "Tiers restore on a new node, prefetch": ("tiers", ["--steps", "3", "--every", "0"]),
+        "Tiers restore on a new node, no prefetch": (
+            "tiers",
+            ["--steps", "3", "--every", "0", "--no-prefetch"],
+        ),
+    }
+    out: dict[str, list[float]] = {c: [] for c in cases}
+    for rnd in range(args.repeats):
+        names = list(cases)
+        for name in names[rnd % 3 :] + names[: rnd % 3]:
+            system, extra = cases[name]
+            shutil.rmtree(local, ignore_errors=True)  # a new node
+            wait_quiet(args)
+            ev = run_to_end(places, system, args, *extra)
+            start = next(e["process_start"] for e in ev if e["event"] == "start")
+            first = min(e["t"] for e in ev if e["event"] == "loss")
+            out[name].append(first - start)
+            print(f"first step, {name}: {out[name][-1]:.2f} s", flush=True)
+    return out
+
+
+# -- phase 3: failures -----------------------------------------------------------------------
+
+
+def drop_page_cache() -> None:
+    subprocess.run(["sync"], check=False)
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    except OSError as e:  # not root
+        print(f"cannot drop the page cache: {e}", flush=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "zombie"
+
+
+def with_failures(
+    places: Places, system: str, interval: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    places.clear()
+    wait_quiet(args)
+    extra = ["--steps", str(args.steps), "--every", str(interval)]
+    if system == "tiers":
+        extra += ["--wipe-on-restart", str(places.shm / "local")]
+    launched = time.time()
+    proc, events, log = launch(places, system, args, *extra)
+    kills: list[float] = []
+    for attempt, at in enumerate(args.kills):
+        while time.time() < launched + at:
+            time.sleep(0.01)
+        # rank 0 of the running attempt (its start event names its pid)
+        while True:
+            starts = [e for e in events_of(events) if e["event"] == "start"]
+            if starts and starts[-1]["attempt"] == attempt and alive(starts[-1]["pid"]):
+                break
+            if proc.poll() is not None:
+                raise SystemExit(f"{system}: the job ended before kill {attempt + 1}")
+            time.sleep(0.01)
+        kills.append(time.time())
+        os.kill(starts[-1]["pid"], signal.SIGKILL)
+        if system == "dcp-disk":
+            drop_page_cache()
+    finish(proc, log, f"{system} with failures")
+    ended = time.time()
+    ev = events_of(events)
+    failures = []
+    for attempt, killed in enumerate(kills):
+        before = [e for e in ev if e["event"] == "loss" and e["attempt"] == attempt]
+        reached = max((e["step"] for e in before if e["t"] < killed), default=0)
+        (ready,) = [e for e in ev if e["event"] == "ready" and e["attempt"] == attempt + 1]
+        back = [
+            e["t"]
+            for e in ev
+            if e["event"] == "loss" and e["attempt"] == attempt + 1 and e["step"] >= reached
+        ]
+        if not back:  # killed again before it got back: a schedule too tight for this job
+            raise SystemExit(
+                f"{system}: kill {attempt + 2} came before the job recovered from kill "
+                f"{attempt + 1}; space --kills further apart"
+            )
+        resumed = [e for e in ev if e["event"] == "resume" and e["attempt"] == attempt + 1]
+        failures.append(
+            {
+                "killed_at": killed - launched,
+                "step_reached": reached,
+                "resumed_from_step": ready["step"],
+                "tier": resumed[0]["tier"] if resumed else None,
+                "relaunch": ready["restore_start"] - killed,
+                "restore": ready["restore_end"] - ready["restore_start"],
+                "recompute": min(back) - ready["restore_end"],
+                "lost": min(back) - killed,
+            }
+        )
+    saves = [e["blocking_seconds"] for e in ev if e["event"] == "save"]
+    return {
+        "interval": interval,
+        "seconds": ended - launched,
+        "failures": failures,
+        "blocking_median": statistics.median(saves) if saves else 0.0,
+        "blocking_max": max(saves, default=0.0),
+    }
+
+
+def wait_quiet(args: argparse.Namespace) -> None:
+    """Wait (up to a minute) until the 1-minute load average is below ``--max-load``."""
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if float(Path("/proc/loadavg").read_text().split()[0]) < args.max_load:
+            return
+        time.sleep(2)
+    print(f"load still {Path('/proc/loadavg').read_text().split()[0]}; going on", flush=True)
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def table(results: dict[str, Any], args: argparse.Namespace) -> str:
+    cal, runs, firsts = results["calibration"], results["failures"], results["first_step"]
+    failure_free = results["failure_free_seconds"]
+    base = runs.get("dcp-disk")
+    lines = [
+        "| system | interval (steps) | overhead per save (s) | blocking per save, median / max (s) "
+        "| lost per failure (s) | relaunch / restore / recompute (s) | lost / DCP disk "
+        "| restore / DCP disk | goodput |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for system, r in runs.items():
+        med = {k: statistics.median(f[k] for f in r["failures"]) for k in r["failures"][0]}
+        vs = (
+            (
+                f"{med['lost'] / statistics.median(f['lost'] for f in base['failures']):.2f}",
+                f"{med['restore'] / statistics.median(f['restore'] for f in base['failures']):.2f}",
+            )
+            if base
+            else ("-", "-")
+        )
+        lines.append(
+            f"| {NAMES[system]} | {r['interval']} | "
+            f"{cal[system]['overhead_per_save_seconds']:.2f} | "
+            f"{r['blocking_median']:.3f} / {r['blocking_max']:.3f} | {med['lost']:.1f} | "
+            f"{med['relaunch']:.1f} / {med['restore']:.2f} / {med['recompute']:.1f} | "
+            f"{vs[0]} | {vs[1]} | {failure_free / r['seconds']:.2f} |"
+        )
+    default = cal.get("dcp-disk-default")
+    if default:
+        lines.append(
+            f"| {NAMES['dcp-disk-default']} | {default['interval']} | "
+            f"{default['overhead_per_save_seconds']:.2f} | {default['blocking_median']:.3f} / "
+            f"{default['blocking_max']:.3f} | (no failure run) | | | | |"
+        )
+    lines += ["", "| start | time to first step (s), median | / fresh start |", "|---|---|---|"]
+    fresh = statistics.median(firsts["fresh start, no checkpoint"])
+    for name, values in firsts.items():
+        median = statistics.median(values)
+        lines.append(f"| {name} | {median:.2f} | {median / fresh:.2f} |")
+    return "\n".join(lines)
+
+
+def chart(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["failures"]
+    names = [
+        NAMES[s].split(",")[0] + ("" if "," not in NAMES[s] else "\n" + NAMES[s].split(", ", 1)[1])
+        for s in runs
+    ]
+    parts = ["relaunch", "restore", "recompute"]
+    fig, (ax, gx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 1.2]})
+    bottom = [0.0] * len(runs)
+    for part, colour in zip(parts, ["#999999", "#4477aa", "#ee6677"], strict=True):
+        values = [statistics.median(f[part] for f in r["failures"]) for r in runs.values()]
+        ax.barh(names, values, left=bottom, color=colour, label=part)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.invert_yaxis()
+    ax.set_xlabel("training time lost per failure, median (s)")
+    ax.legend(loc="lower right")
+    goodput = [results["failure_free_seconds"] / r["seconds"] for r in runs.values()]
+    gx.barh(names, goodput, color="#228833")
+    gx.invert_yaxis()
+    gx.set_yticklabels([])
+    gx.set_xlim(0, 1)
+    gx.set_xlabel("goodput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--width", type=int, default=1984)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=45, help="steps of each failure run")
+    ap.add_argument(
+        "--kills", default="40,80,120", help="seconds after launch at which a rank is killed"
+    )
+    ap.add_argument("--keep-last", type=int, default=1)
+    ap.add_argument("--overhead", type=float, default=0.05)
+    ap.add_argument("--calibrate-every", type=int, default=4)
+    ap.add_argument("--calibrate-saves", type=int, default=3)
+    ap.add_argument("--calibrate-rounds", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="of each time-to-first-step case")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--max-load", type=float, default=0.5)
+    ap.add_argument("--disk-dir", default=None, help="a directory on disk (default: /tmp)")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    args.kills = [float(k) for k in args.kills.split(",")]
+    args.systems = args.systems.split(",")
+
+    work = Path(tempfile.mkdtemp(prefix="kvckpt-goodput-"))
+    shm = Path(tempfile.mkdtemp(prefix="kvckpt-goodput-", dir="/dev/shm"))
+    disk = Path(tempfile.mkdtemp(prefix="kvckpt-goodput-", dir=args.disk_dir))
+    places = Places(work, shm, disk, RedisServer(work / "redis"))
+    params = sum(p.numel() for p in model_for(args.width, args.layers).parameters())
+    state_gib = params * 4 * 3 / 2**30  # weights + AdamW's two moments, fp32
+    results: dict[str, Any] = {}
+    try:
+        results["calibration"] = calibrate(places, args)
+        results["first_step"] = first_steps(places, args)
+        places.clear()
+        wait_quiet(args)
+        free = run_to_end(places, "none", args, "--steps", str(args.steps), "--every", "0")
+        start = next(e["process_start"] for e in free if e["event"] == "start")
+        done = next(e["t"] for e in free if e["event"] == "done")
+        results["failure_free_seconds"] = done - start
+        results["failures"] = {}
+        for system in args.systems:
+            interval = results["calibration"][system]["interval"]
+            results["failures"][system] = with_failures(places, system, interval, args)
+            print(f"{system}: {results['failures'][system]}", flush=True)
+    finally:
+        places.server.stop()
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+        print(f"logs in {work}", flush=True)
+
+    machine = (
+        f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"torch {torch.__version__}; 2 ranks, DDP, gloo; {params / 1e6:.0f}M parameters, "
+        f"{state_gib:.2f} GiB of checkpointed state (weights + AdamW); {args.steps} steps, "
+        f"kills at {', '.join(f'{k:g}' for k in args.kills)} s; failure-free time "
+        f"{results['failure_free_seconds']:.1f} s; medians"
+    )
+    text = table(results, args)
+    write_report(args.out, "goodput", text, machine, {"args": vars(args), **results})
+    chart(results, Path(args.out) / "goodput.png")
+
+
+if __name__ == "__main__":
+    main()
