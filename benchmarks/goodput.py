@@ -68,7 +68,11 @@ NAMES = {
     "lmdb": "kvckpt LMDB, /dev/shm",
     "redis": "kvckpt Redis",
     "tiers": "kvckpt Tiers, local store wiped (node replaced)",
-    "dcp-disk-default": "DCP FileSystemWriter, disk, DCP's default async_save staging",
+}
+MODES = {
+    "background": "async_save, kvckpt.background_stager()",
+    "sync": "dcp.save",
+    "blocking": "async_save, DCP's default staging",
 }
 
 
@@ -88,7 +92,6 @@ class Places:
         return {
             "none": ["--store", f"dcp:{self.shm / 'unused'}"],
             "dcp-disk": ["--store", f"dcp:{self.disk / 'dcp'}"],
-            "dcp-disk-default": ["--store", f"dcp:{self.disk / 'dcp'}", "--staging", "blocking"],
             "dcp-shm": ["--store", f"dcp:{self.shm / 'dcp'}"],
             "lmdb": ["--store", f"lmdb://{local}"],
             "redis": ["--store", self.server.url()],
@@ -123,7 +126,7 @@ def launch(places: Places, system: str, args: argparse.Namespace, *extra: str) -
         "--events",
         str(events),
         *extra,
-        max_restarts=len(args.kills),
+        max_restarts=3 if args.kills == "auto" else len(args.kills),
     )
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     log = open(places.work / f"run-{places.runs}.log", "w")  # noqa: SIM115
@@ -154,28 +157,34 @@ def step_times(events: list[dict]) -> dict[int, float]:
 
 
 def calibrate(places: Places, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Each system's overhead per save in each saving mode (``--modes``), and the interval and
+    mode that it then checkpoints at: the mode with the least overhead (each at its best)."""
     every, saves = args.calibrate_every, args.calibrate_saves
-    steps = every * (saves + 1)
-    window = (every, every * (saves + 1))  # spans the saves at every, 2*every, ..., saves*every
-    cases = ["none", *args.systems, "dcp-disk-default"]
+    # The first save (at ``every``) is the warm-up: its staging copy and store pages are fresh
+    # memory, paid once per process. The window spans the next ``saves`` saves and the steps
+    # their background work overlaps.
+    steps = every * (saves + 2)
+    window = (2 * every, every * (saves + 2))
+    cases = [
+        "none",
+        *(f"{system}/{mode}" for system in args.systems for mode in args.modes),
+        "dcp-disk/blocking",  # DCP's default async_save: the blocking comparison
+    ]
+    cases = list(dict.fromkeys(cases))
     spans: dict[str, list[float]] = {c: [] for c in cases}
     blocking: dict[str, list[float]] = {c: [] for c in cases}
     for rnd in range(args.calibrate_rounds):
         for case in cases[rnd % len(cases) :] + cases[: rnd % len(cases)]:  # taking turns
+            system, _, mode = case.partition("/")
             places.clear()
             wait_quiet(args)
-            ev = run_to_end(
-                places,
-                case,
-                args,
-                "--steps",
-                str(steps),
-                "--every",
-                "0" if case == "none" else str(every),
-            )
+            how = ["--every", "0"] if case == "none" else ["--every", str(every), "--staging", mode]
+            ev = run_to_end(places, system, args, "--steps", str(steps), *how)
             t = step_times(ev)
             spans[case].append(t[window[1]] - t[window[0]])
-            blocking[case] += [e["blocking_seconds"] for e in ev if e["event"] == "save"]
+            blocking[case] += [
+                e["blocking_seconds"] for e in ev if e["event"] == "save" and e["step"] > every
+            ]
             print(f"calibrate {case}: {spans[case][-1]:.2f} s for steps {window}", flush=True)
     base = statistics.median(spans["none"])
     step = base / (window[1] - window[0])
@@ -190,7 +199,12 @@ def calibrate(places: Places, args: argparse.Namespace) -> dict[str, dict[str, A
             "blocking_max": max(blocking[case]),
             "blocking": blocking[case],
         }
-        print(f"{case}: {out[case]['overhead_per_save_seconds']:.2f} s per save", flush=True)
+        print(f"{case}: {per_save:.2f} s per save", flush=True)
+    for system in args.systems:
+        best = min(
+            (f"{system}/{m}" for m in args.modes), key=lambda c: out[c]["overhead_per_save_seconds"]
+        )
+        out[system] = {**out[best], "mode": best.partition("/")[2]}
     return out
 
 
@@ -252,11 +266,11 @@ def _state(pid: int) -> str:
 
 
 def with_failures(
-    places: Places, system: str, interval: int, args: argparse.Namespace
+    places: Places, system: str, interval: int, mode: str, args: argparse.Namespace
 ) -> dict[str, Any]:
     places.clear()
     wait_quiet(args)
-    extra = ["--steps", str(args.steps), "--every", str(interval)]
+    extra = ["--steps", str(args.steps), "--every", str(interval), "--staging", mode]
     if system == "tiers":
         extra += ["--wipe-on-restart", str(places.shm / "local")]
     launched = time.time()
@@ -304,6 +318,7 @@ def with_failures(
                 "tier": resumed[0]["tier"] if resumed else None,
                 "relaunch": ready["restore_start"] - killed,
                 "restore": ready["restore_end"] - ready["restore_start"],
+                "load": resumed[0]["load_seconds"] if resumed else 0.0,
                 "recompute": min(back) - ready["restore_end"],
                 "lost": min(back) - killed,
             }
@@ -311,11 +326,24 @@ def with_failures(
     saves = [e["blocking_seconds"] for e in ev if e["event"] == "save"]
     return {
         "interval": interval,
+        "mode": mode,
         "seconds": ended - launched,
         "failures": failures,
         "blocking_median": statistics.median(saves) if saves else 0.0,
         "blocking_max": max(saves, default=0.0),
     }
+
+
+def schedule(args: argparse.Namespace, calibration: dict[str, dict[str, Any]]) -> None:
+    """Three kills, the same for every system, spaced by the longest interval's worth of steps
+    plus 45 s (relaunch and restore), so that each system is back where it was before the next
+    kill; and enough steps that the job is still training at the third."""
+    step = calibration["none"]["step_seconds"]
+    longest = max(calibration[s]["interval"] for s in args.systems)
+    spacing = math.ceil(longest * step + 45)
+    args.kills = [float(spacing * i) for i in (1, 2, 3)]
+    args.steps = max(args.steps, math.ceil(3.5 * spacing / step))
+    print(f"kills at {args.kills} s, {args.steps} steps", flush=True)
 
 
 def wait_quiet(args: argparse.Namespace) -> None:
@@ -334,42 +362,49 @@ def wait_quiet(args: argparse.Namespace) -> None:
 def table(results: dict[str, Any], args: argparse.Namespace) -> str:
     cal, runs, firsts = results["calibration"], results["failures"], results["first_step"]
     failure_free = results["failure_free_seconds"]
-    base = runs.get("dcp-disk")
+
+    def median(system: str, part: str) -> float:
+        return statistics.median(f[part] for f in runs[system]["failures"])
+
+    def versus(system: str, part: str) -> str:
+        if "dcp-disk" not in runs or not median("dcp-disk", part):
+            return "-"
+        return f"{median(system, part) / median('dcp-disk', part):.2f}"
+
     lines = [
-        "| system | interval (steps) | overhead per save (s) | blocking per save, median / max (s) "
-        "| lost per failure (s) | relaunch / restore / recompute (s) | lost / DCP disk "
-        "| restore / DCP disk | goodput |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| system | saves with | interval (steps) | overhead per save (s) "
+        "| blocking per save, median / max "
+        "(s) | lost per failure (s) | relaunch / restore / recompute (s) | dcp.load (s) "
+        "| lost / DCP disk | dcp.load / DCP disk | goodput |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for system, r in runs.items():
-        med = {k: statistics.median(f[k] for f in r["failures"]) for k in r["failures"][0]}
-        vs = (
-            (
-                f"{med['lost'] / statistics.median(f['lost'] for f in base['failures']):.2f}",
-                f"{med['restore'] / statistics.median(f['restore'] for f in base['failures']):.2f}",
-            )
-            if base
-            else ("-", "-")
-        )
         lines.append(
-            f"| {NAMES[system]} | {r['interval']} | "
+            f"| {NAMES[system]} | {MODES[r['mode']]} | {r['interval']} | "
             f"{cal[system]['overhead_per_save_seconds']:.2f} | "
-            f"{r['blocking_median']:.3f} / {r['blocking_max']:.3f} | {med['lost']:.1f} | "
-            f"{med['relaunch']:.1f} / {med['restore']:.2f} / {med['recompute']:.1f} | "
-            f"{vs[0]} | {vs[1]} | {failure_free / r['seconds']:.2f} |"
+            f"{r['blocking_median']:.3f} / {r['blocking_max']:.3f} | "
+            f"{median(system, 'lost'):.1f} | {median(system, 'relaunch'):.1f} / "
+            f"{median(system, 'restore'):.2f} / {median(system, 'recompute'):.1f} | "
+            f"{median(system, 'load'):.2f} | {versus(system, 'lost')} | "
+            f"{versus(system, 'load')} | {failure_free / r['seconds']:.2f} |"
         )
-    default = cal.get("dcp-disk-default")
-    if default:
-        lines.append(
-            f"| {NAMES['dcp-disk-default']} | {default['interval']} | "
-            f"{default['overhead_per_save_seconds']:.2f} | {default['blocking_median']:.3f} / "
-            f"{default['blocking_max']:.3f} | (no failure run) | | | | |"
-        )
+    lines += [
+        "",
+        "| system | saves with | overhead per save (s) | blocking per save, median / max (s) |",
+        "|---|---|---|---|",
+    ]
+    for case, c in cal.items():
+        if "/" in case:
+            system, _, mode = case.partition("/")
+            lines.append(
+                f"| {NAMES[system]} | {MODES[mode]} | {c['overhead_per_save_seconds']:.2f} | "
+                f"{c['blocking_median']:.3f} / {c['blocking_max']:.3f} |"
+            )
     lines += ["", "| start | time to first step (s), median | / fresh start |", "|---|---|---|"]
     fresh = statistics.median(firsts["fresh start, no checkpoint"])
     for name, values in firsts.items():
-        median = statistics.median(values)
-        lines.append(f"| {name} | {median:.2f} | {median / fresh:.2f} |")
+        med = statistics.median(values)
+        lines.append(f"| {name} | {med:.2f} | {med / fresh:.2f} |")
     return "\n".join(lines)
 
 
@@ -412,23 +447,34 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1984)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=45, help="steps of each failure run")
+    ap.add_argument("--steps", type=int, default=45, help="steps of each failure run (at least)")
     ap.add_argument(
-        "--kills", default="40,80,120", help="seconds after launch at which a rank is killed"
+        "--kills",
+        default="auto",
+        help="seconds after launch at which a rank is killed (comma-separated), or auto: three "
+        "kills spaced so that every system recovers before the next, --steps raised to match",
     )
     ap.add_argument("--keep-last", type=int, default=1)
     ap.add_argument("--overhead", type=float, default=0.05)
     ap.add_argument("--calibrate-every", type=int, default=4)
     ap.add_argument("--calibrate-saves", type=int, default=3)
     ap.add_argument("--calibrate-rounds", type=int, default=1)
+    ap.add_argument(
+        "--modes",
+        default="background,sync",
+        help="saving modes each system is measured in (examples/train_resume.py --staging); "
+        "the failure runs use each system's cheapest",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="of each time-to-first-step case")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--max-load", type=float, default=0.5)
     ap.add_argument("--disk-dir", default=None, help="a directory on disk (default: /tmp)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    args.kills = [float(k) for k in args.kills.split(",")]
+    if args.kills != "auto":
+        args.kills = [float(k) for k in args.kills.split(",")]
     args.systems = args.systems.split(",")
+    args.modes = args.modes.split(",")
 
     work = Path(tempfile.mkdtemp(prefix="kvckpt-goodput-"))
     shm = Path(tempfile.mkdtemp(prefix="kvckpt-goodput-", dir="/dev/shm"))
@@ -439,6 +485,8 @@ def main() -> None:
     results: dict[str, Any] = {}
     try:
         results["calibration"] = calibrate(places, args)
+        if args.kills == "auto":
+            schedule(args, results["calibration"])
         results["first_step"] = first_steps(places, args)
         places.clear()
         wait_quiet(args)
@@ -448,8 +496,10 @@ def main() -> None:
         results["failure_free_seconds"] = done - start
         results["failures"] = {}
         for system in args.systems:
-            interval = results["calibration"][system]["interval"]
-            results["failures"][system] = with_failures(places, system, interval, args)
+            chosen = results["calibration"][system]
+            results["failures"][system] = with_failures(
+                places, system, chosen["interval"], chosen["mode"], args
+            )
             print(f"{system}: {results['failures'][system]}", flush=True)
     finally:
         places.server.stop()

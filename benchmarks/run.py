@@ -907,9 +907,9 @@ def main(argv: list[str] | None = None) -> int:
         "--with",
         dest="extra",
         action="append",
-        choices=["resume", "scaling"],
+        choices=["goodput", "scaling"],
         default=[],
-        help="also run benchmarks/resume.py (time to resume after a rank dies) or "
+        help="also run benchmarks/goodput.py (training time lost per failure, ~30 min) or "
         "benchmarks/scaling.py (1-4 ranks, one Redis vs a cluster), at their defaults, into --out",
     )
     args = parser.parse_args(argv)

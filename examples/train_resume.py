@@ -94,15 +94,9 @@ class DirectoryStore:
     def recover(self) -> None:
         pass
 
-    def async_save(self, state: dict[str, Any], checkpoint_id: str, stager: Any) -> Any:
+    def writer(self, checkpoint_id: str) -> tuple[Any, Any]:
         path = self.path / checkpoint_id
-        return dcp.async_save(
-            state,
-            storage_writer=dcp.FileSystemWriter(path),
-            checkpoint_id=path,
-            process_group=PG,
-            async_stager=stager,
-        )
+        return dcp.FileSystemWriter(path), path
 
     def saved(self) -> None:
         """The previous save is complete: drop the checkpoints beyond the newest keep_last."""
@@ -147,14 +141,8 @@ class KVStore:
             except kvckpt.StoreUnavailableError as e:
                 print(f"[resume] skipping cleanup of {engine.url}: {e}", flush=True)
 
-    def async_save(self, state: dict[str, Any], checkpoint_id: str, stager: Any) -> Any:
-        return dcp.async_save(
-            state,
-            storage_writer=self.tiers.writer(),
-            checkpoint_id=checkpoint_id,
-            process_group=PG,
-            async_stager=stager,
-        )
+    def writer(self, checkpoint_id: str) -> tuple[Any, Any]:
+        return self.tiers.writer(), checkpoint_id
 
     def saved(self) -> None:
         pass  # keep_last runs inside each save
@@ -200,9 +188,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="samples per rank and step")
     ap.add_argument(
         "--staging",
-        choices=["background", "blocking"],
+        choices=["background", "blocking", "sync"],
         default="background",
-        help="background: kvckpt.background_stager(); blocking: DCP's default async_save copy",
+        help="background: async_save with kvckpt.background_stager(); blocking: async_save "
+        "with DCP's default staging copy; sync: dcp.save",
     )
     ap.add_argument("--no-prefetch", action="store_true", help="restore without Tiers.prefetch")
     ap.add_argument("--kill-at-step", type=int, help="SIGKILL --kill-rank at this step (1st run)")
@@ -316,7 +305,20 @@ def main() -> None:
                 (saving.upload_completion if staged_async(saving) else saving).result()
                 store.saved()
             waited = time.perf_counter() - started
-            saving = store.async_save(state(), f"step-{step}", stager)
+            writer, checkpoint_id = store.writer(f"step-{step}")
+            if args.staging == "sync":
+                dcp.save(
+                    state(), storage_writer=writer, checkpoint_id=checkpoint_id, process_group=PG
+                )
+                store.saved()
+            else:
+                saving = dcp.async_save(
+                    state(),
+                    storage_writer=writer,
+                    checkpoint_id=checkpoint_id,
+                    process_group=PG,
+                    async_stager=stager,
+                )
             save_event = {
                 "event": "save",
                 "step": step,
