@@ -47,7 +47,6 @@ from .catalog import (
     publish,
     read_index,
     read_lease,
-    release_lease,
     renew_lease,
     tidy_remote_store,
 )
@@ -74,7 +73,7 @@ from .format import (
     parse_meta_key,
     part_ranges,
 )
-from .manage import NEVER, gc
+from .manage import NEVER, discard_save, gc
 from .staging import accelerator_available, advise_huge_pages
 from .urls import open_store, validate_name
 
@@ -427,9 +426,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                     for wr, fs in zip(results, hashes, strict=True)
                 ]
         except BaseException:
-            self._discard_partial(checkpoint_id, where)
-            with contextlib.suppress(Exception):
-                release_lease(self.engine, checkpoint_id, where.save_id, lease_rank)
+            self._discard_failed(checkpoint_id, where, lease_rank)
             raise
         finally:
             if hash_pool is not None:
@@ -473,17 +470,28 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                 "the checkpoint was not committed. Save it again."
             )
 
-    def _discard_partial(self, checkpoint_id: str, where: _PlanData) -> None:
-        """Best effort: drop what this rank wrote of a save that failed (gc catches the rest)."""
+    def _discard_failed(self, checkpoint_id: str, where: _PlanData, rank: int | None) -> None:
+        """Best effort: a save whose write failed will never commit (DCP fails the whole save
+        when any rank's write fails), so it leaves nothing behind. In the store that registered
+        it (the coordinator's; this rank's own for a rank-local save) the save is discarded as
+        a whole, pending entry and write lease included, so it is not listed as incomplete
+        until the next ``gc``; in another node's store, this rank's data goes. Data other ranks
+        still write afterwards is an orphan that ``gc`` removes."""
         from .format import data_prefix
 
+        registered = where.origin is None or where.origin == _store_identity(self.engine)
         try:
-            self.engine.delete_prefix(
-                f"{data_prefix(self.engine.prefix, checkpoint_id, where.save_id)}{where.rank}/"
-            )
+            if registered:
+                discard_save(self.engine, checkpoint_id, where.save_id, rank)
+            else:
+                self.engine.delete_prefix(
+                    f"{data_prefix(self.engine.prefix, checkpoint_id, where.save_id)}{where.rank}/"
+                )
         except Exception:  # the store may be what failed
             logger.warning(
-                "could not clean up the partial save of %r in %s", checkpoint_id, self.engine.url
+                "could not clean up the failed save of %r in %s (`kvckpt gc` will)",
+                checkpoint_id,
+                self.engine.url,
             )
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
