@@ -500,10 +500,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
             wr.index: wr.storage_data for rank_results in results for wr in rank_results
         }
         rank = self._local_rank_key()
-        if dist.is_available() and dist.is_initialized():
-            world_size = dist.get_world_size()
-        else:
-            world_size = max(len(results), 1)
+        world_size = self._world_size(results)
         metadata.storage_meta = self.storage_meta()
         self._check_session(checkpoint_id)
         self.committed_at = publish(
@@ -531,6 +528,15 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                 incomplete_older_than=NEVER,
                 scan_orphans=False,
             )
+
+    def _world_size(self, results: list[list[WriteResult]]) -> int:
+        """The world size of this save: the ranks whose results DCP gathered, not the process
+        group's size (``dcp.save(..., no_dist=True)`` in a group saves from one rank alone).
+        A rank-local save gets only its own results; it records the job's world size, which
+        tells when every rank has committed."""
+        if not self.use_collectives and dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+        return max(len(results), 1)
 
     def _protected(self, checkpoint_id: str) -> list[str]:
         """The checkpoint ids ``keep_last`` must not delete after this save's commit."""

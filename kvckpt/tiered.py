@@ -523,7 +523,7 @@ class TieredStorageWriter(KVStorageWriter):
             return
         assert self.committed_at is not None
         locations = {wr.index: wr.storage_data for rank in results for wr in rank}
-        world_size = dist.get_world_size() if dist.is_initialized() else max(len(results), 1)
+        world_size = self._world_size(results)
         self.tiers._submit(
             self.tiers._commit_copies,
             self._replicas,
