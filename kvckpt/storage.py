@@ -14,7 +14,9 @@ import datetime
 import io
 import logging
 import os
+import re
 import socket
+import threading
 import time
 import uuid
 import warnings
@@ -592,6 +594,9 @@ class KVStorageReader(_KVStorageBase, StorageReader):
         self._lease: contextlib.AbstractContextManager[Callable[[], None]] | None = None
         self._renew_lease: Callable[[], None] | None = None
         self._global_error: Exception | None = None  # see _report_unreadable
+        #: how a refused object's error tells the user to opt out: an API built on this reader
+        #: (``KVLoadShardedStrategy``) names its own parameter
+        self.weights_only_opt_out = "KVStorageReader(..., weights_only=False)"
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -823,16 +828,59 @@ class KVStorageReader(_KVStorageBase, StorageReader):
             )
 
 
+#: Plain types that torch's ``weights_only`` rules refuse although rebuilding one runs no code
+#: (each is made from bytes, numbers or other already-checked values), and that DCP users keep
+#: in state dicts: ``io.BytesIO`` holds opaque blobs in PyTorch's own DCP tests and torchtitan's
+#: older ``TrainState``; ``frozenset`` and ``datetime`` values turn up in training state. Not
+#: ``collections.deque`` (the restricted unpickler cannot rebuild it) nor ``defaultdict`` (it
+#: keeps a callable that later runs on a missing key).
+SAFE_OBJECT_TYPES: tuple[type, ...] = (
+    io.BytesIO,
+    frozenset,
+    datetime.date,
+    datetime.datetime,
+    datetime.time,
+    datetime.timedelta,
+    datetime.timezone,
+)
+_safe_types_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def plain_types_allowed() -> Iterator[None]:
+    """torch's ``weights_only`` allowlist plus ``SAFE_OBJECT_TYPES`` while the block runs.
+
+    torch's allowlist is process-wide, so the block holds a lock, and adds (and afterwards
+    removes) only the types the user has not registered with ``add_safe_globals`` already."""
+    with _safe_types_lock:
+        present = set(torch.serialization.get_safe_globals())
+        with torch.serialization.safe_globals([t for t in SAFE_OBJECT_TYPES if t not in present]):
+            yield
+
+
+def refusal(e: Exception) -> str:
+    """The sentence of torch's long ``weights_only`` error that names what was refused (the
+    type or function), in full; any other error's whole message, on one line."""
+    text = str(e)
+    found = re.search(r"WeightsUnpickler error: (.*?)(?:\. Please|$)", text, re.M) or re.search(
+        r"^\s*(Trying to load unsupported .*?)\.?\s*$", text, re.M
+    )
+    return found.group(1).strip() if found else f"{type(e).__name__}: {' '.join(text.split())}"
+
+
 def check_weights_only(data: bytes, what: str, opt_out: str) -> None:
-    """Refuse an object value that ``torch.load(weights_only=True)`` would not load: DCP's
-    planners unpickle object items without restriction, so this check comes first."""
+    """Refuse an object value that ``torch.load(weights_only=True)`` would not load (with
+    ``SAFE_OBJECT_TYPES`` allowed): DCP's planners unpickle object items without restriction,
+    so this check comes first. The error names ``what`` was refused, the refused type, and
+    ``opt_out``, the way out that fits the API in use."""
     try:
-        torch.load(io.BytesIO(data), weights_only=True)
+        with plain_types_allowed():
+            torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:
         raise UnsafeObjectError(
-            f"{what} cannot be loaded under torch.load(weights_only=True) rules: "
-            f"{type(e).__name__}: {str(e)[:300]}. If you trust everyone who can write there, "
-            f"pass {opt_out}."
+            f"{what} cannot be loaded under torch.load(weights_only=True) rules: {refusal(e)}. "
+            "Allow the types you expect with torch.serialization.add_safe_globals([...]), or, "
+            f"if you trust everyone who can write there, pass {opt_out}."
         ) from None
 
 
@@ -1010,7 +1058,7 @@ class _ItemRead:
                 data,
                 f"object {self.index.fqn!r} in checkpoint {self.record.checkpoint_id!r} "
                 f"({self.reader.engine.url})",
-                "KVStorageReader(..., weights_only=False)",
+                self.reader.weights_only_opt_out,
             )
         for req in self.reqs:
             if req.type != LoadItemType.BYTE_IO:
