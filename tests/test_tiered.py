@@ -15,6 +15,7 @@ from kvckpt import (
     KVStorageReader,
     KVStorageWriter,
     ReplicationError,
+    Restore,
     Tiers,
     UnsafeObjectError,
     latest_checkpoint,
@@ -115,6 +116,23 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
     srv = RedisServer(tmp_path / "redis")
     yield srv
     srv.stop()
+
+
+def test_one_failed_copy_is_counted_once(tmp_path: Path, server: RedisServer) -> None:
+    """Issue #18: a copy that failed (the replica has no room) also failed its commit job,
+    and wait() reported "2 background copies failed" for one checkpoint."""
+    client = server.client()
+    client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + (256 << 10))
+    client.close()
+    local = f"lmdb://{tmp_path / 'node'}"
+    tiers = Tiers([local, server.url()])
+    dcp.save(sd(1.0), storage_writer=tiers.writer(), checkpoint_id="step-1")  # 1 MiB
+    with pytest.raises(ReplicationError) as info:
+        tiers.wait()
+    assert str(info.value).startswith("1 background copy failed; the first: "), info.value
+    assert "step-1" in str(info.value)
+    tiers.wait()  # reported once
+    tiers.close()
 
 
 def test_replica_restarted_mid_copy_never_shows_a_partial_checkpoint(
@@ -226,3 +244,18 @@ def test_keep_last_waits_for_copies_still_in_flight(tmp_path: Path, redis_url: s
     for url in (local, redis_url):
         assert [i.checkpoint_id for i in list_checkpoints(url)] == ["step-3"]
     tiers.close()
+
+
+def test_restore_is_documented() -> None:
+    """Issue #18: Restore was undocumented and the module docstring showed
+    ``step = tiers.restore(...)`` although restore returns a Restore."""
+    import dataclasses
+
+    import kvckpt.tiered
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert "kvckpt.Restore" in readme
+    for field in dataclasses.fields(Restore):
+        assert f"{field.name}:" in (Restore.__doc__ or ""), field.name
+        assert f"`{field.name}`" in readme, field.name
+    assert "step = tiers.restore(" not in (kvckpt.tiered.__doc__ or "")
