@@ -19,7 +19,6 @@ import socket
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future as Future_
 from concurrent.futures import ThreadPoolExecutor
@@ -52,7 +51,7 @@ from .catalog import (
     renew_lease,
     tidy_remote_store,
 )
-from .engines.base import Engine
+from .engines.base import Engine, byte_tensor
 from .errors import (
     CheckpointNotFoundError,
     DataError,
@@ -733,26 +732,22 @@ class KVStorageReader(_KVStorageBase, StorageReader):
             groups.setdefault(req.storage_index, []).append(req)
         batch: list[_ItemRead] = []
         size = 0
-        with warnings.catch_warnings():
-            # Engines hand out read-only buffers; torch warns on wrapping them, but kvckpt only
-            # ever reads from them.
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            for index, reqs in groups.items():
-                loc = record.locations.get(index)
-                if loc is None:
-                    raise DataError(
-                        f"checkpoint {record.checkpoint_id!r} in {self.engine.url} has no item "
-                        f"{index.fqn!r} at offset {list(index.offset or [])}"
-                    )
-                batch.append(_ItemRead(self, record, index, loc, reqs, planner))
-                size += loc.nbytes
-                if size >= self.batch_bytes:
-                    self._read_batch(batch)
-                    batch, size = [], 0
-                    if self._renew_lease is not None:
-                        self._renew_lease()
-            if batch:
+        for index, reqs in groups.items():
+            loc = record.locations.get(index)
+            if loc is None:
+                raise DataError(
+                    f"checkpoint {record.checkpoint_id!r} in {self.engine.url} has no item "
+                    f"{index.fqn!r} at offset {list(index.offset or [])}"
+                )
+            batch.append(_ItemRead(self, record, index, loc, reqs, planner))
+            size += loc.nbytes
+            if size >= self.batch_bytes:
                 self._read_batch(batch)
+                batch, size = [], 0
+                if self._renew_lease is not None:
+                    self._renew_lease()
+        if batch:
+            self._read_batch(batch)
 
     def _host_buffer(self, items: list[_ItemRead]) -> None:
         """Give each GPU-bound direct read a slice of one host buffer, reused across batches
@@ -1024,9 +1019,7 @@ class _ItemRead:
         if view.nbytes:
             if self.buffer is None:
                 self.buffer = torch.empty(self.loc.nbytes, dtype=torch.uint8)
-            self.buffer[start : start + view.nbytes].copy_(
-                torch.frombuffer(view, dtype=torch.uint8)
-            )
+            self.buffer[start : start + view.nbytes].copy_(byte_tensor(view))
         if self.remaining == 0:
             assert self.buffer is not None
             self._apply(memoryview(self.buffer.numpy()))
@@ -1037,7 +1030,7 @@ class _ItemRead:
             return
         dtype, sizes = self.record.chunk(self.index)
         if view.nbytes:
-            src = torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(sizes)
+            src = byte_tensor(view).view(dtype).reshape(sizes)
         else:
             src = torch.empty(sizes, dtype=dtype)
         for req in self.reqs:

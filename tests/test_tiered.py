@@ -259,3 +259,46 @@ def test_restore_is_documented() -> None:
         assert f"{field.name}:" in (Restore.__doc__ or ""), field.name
         assert f"`{field.name}`" in readme, field.name
     assert "step = tiers.restore(" not in (kvckpt.tiered.__doc__ or "")
+
+
+_QUIET_SCRIPT = """
+import sys
+import warnings
+import torch
+import torch.distributed.checkpoint as dcp
+import kvckpt
+
+# DCP's own notice that it saves in a single process (torch.distributed not initialised)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+a, b = sys.argv[1:]
+tiers = kvckpt.Tiers([f"lmdb://{a}", f"lmdb://{b}"])
+state = {"w": torch.rand(1 << 19), "m": torch.rand(64, 64), "step": 3}  # 2 MiB: parallel copy
+dcp.save(state, storage_writer=tiers.writer(), checkpoint_id="step-3")
+tiers.wait()
+for url in (f"lmdb://{a}", f"lmdb://{b}"):
+    out = {"w": torch.zeros(1 << 19), "m": torch.zeros(64, 64).t(), "step": 0}  # m: staged
+    reader = kvckpt.KVStorageReader(url, checkpoint_id="step-3")
+    dcp.load(out, storage_reader=reader)
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["m"], state["m"])
+tiers.close()
+print("done")
+"""
+
+
+def test_background_copies_and_loads_print_no_warnings(tmp_path: Path) -> None:
+    """Issue #18: background copies printed torch's "The given buffer is not writable"
+    UserWarning (once per process, so a process of its own)."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _QUIET_SCRIPT, str(tmp_path / "a"), str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "default"},
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
+    assert "Warning" not in done.stderr, done.stderr
