@@ -75,7 +75,9 @@ class GcReport:
 
 
 def _engine(store: str | Engine) -> Engine:
-    return open_store(store)
+    """Nothing here creates a store: listing one that does not exist, or deleting from it, is an
+    error (``StoreNotFoundError``), not a new empty store."""
+    return open_store(store, create=False)
 
 
 def _field(entry: dict[str, Any], name: str, types: tuple[type, ...], where: str) -> Any:

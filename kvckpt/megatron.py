@@ -564,7 +564,7 @@ class KVLoadShardedStrategy(TorchDistLoadShardedStrategy):
         **reader_options: Any,
     ) -> None:
         super().__init__()
-        self.engine = open_store(store)
+        self.engine = open_store(store, create=False)
         self.checkpoint_id = checkpoint_id
         self.weights_only = weights_only
         self.reader_options = reader_options
@@ -732,7 +732,7 @@ class KVLoadCommonStrategy(LoadCommonStrategy):
         weights_only: bool = True,
         lease: float = 60.0,
     ) -> None:
-        self.engine = open_store(store)
+        self.engine = open_store(store, create=False)
         self.checkpoint_id = checkpoint_id
         self.weights_only = weights_only
         self.lease = lease

@@ -548,7 +548,8 @@ class KVStorageReader(_KVStorageBase, StorageReader):
     """DCP ``StorageReader`` that loads from a key-value store.
 
     Args:
-        store: a store URL or an engine.
+        store: a store URL or an engine. A reader never creates a store: an LMDB path with no
+            store there is a ``StoreNotFoundError``.
         checkpoint_id: the checkpoint to load when ``dcp.load`` gets no ``checkpoint_id``.
         weights_only: load non-tensor objects under ``torch.load(weights_only=True)`` rules
             (the default), so a store that others can write to cannot run code in this
@@ -578,7 +579,7 @@ class KVStorageReader(_KVStorageBase, StorageReader):
         save_id: str | None = None,
     ) -> None:
         super().__init__()
-        self.engine = open_store(store)
+        self.engine = open_store(store, create=False)
         self.checkpoint_id = _checkpoint_id(checkpoint_id)
         self.save_id = save_id
         self.weights_only = weights_only

@@ -302,3 +302,24 @@ def test_background_copies_and_loads_print_no_warnings(tmp_path: Path) -> None:
     )
     assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
     assert "Warning" not in done.stderr, done.stderr
+
+
+def test_a_new_tiers_does_not_restore_from_a_wiped_node_store(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Issue #18: after the node-local directory was removed, a new Tiers in the same process
+    still restored from the old, still-mapped LMDB environment."""
+    import shutil
+
+    node = tmp_path / "node"
+    first = Tiers([f"lmdb://{node}", redis_url])
+    dcp.save(sd(1.0), storage_writer=first.writer(), checkpoint_id="step-1")
+    first.wait()
+    shutil.rmtree(node)  # the node is wiped; the first Tiers still holds its engine
+    second = Tiers([f"lmdb://{node}", redis_url])
+    out = sd(0.0)
+    choice = second.restore(out)
+    assert choice is not None and (choice.checkpoint_id, choice.tier) == ("step-1", 1)
+    assert same(out, sd(1.0))
+    first.close()
+    second.close()
