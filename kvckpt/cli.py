@@ -1,7 +1,8 @@
 """The ``kvckpt`` command line: list, inspect, delete, verify and move checkpoints.
 
 Exit codes: 0 success; 1 verification found problems; 2 usage error (bad arguments, URL or
-checkpoint id); 3 checkpoint not found; 4 store unreachable; 5 checkpoint damaged or unreadable.
+checkpoint id); 3 checkpoint or store not found; 4 store unreachable; 5 checkpoint damaged or
+unreadable.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def main() -> None:
     rediss://..., unix:///path/redis.sock; add ?prefix=NAME to pick a namespace.
 
     \b
-    Exit codes: 0 ok, 1 verification failed, 2 usage error, 3 checkpoint not found,
+    Exit codes: 0 ok, 1 verification failed, 2 usage error, 3 checkpoint/store not found,
     4 store unreachable, 5 checkpoint damaged or unreadable.
     """
 
@@ -133,7 +134,7 @@ def ls_command(url: str, show_all: bool, as_json: bool) -> None:
         click.echo(json.dumps([i.to_json() for i in infos], indent=2))
         return
     if not infos:
-        click.echo(f"no checkpoints in {open_store(url).url}")
+        click.echo(f"no checkpoints in {open_store(url, create=False).url}")
         return
     rows = [
         (
@@ -166,7 +167,7 @@ def info_command(url: str, checkpoint_id: str, as_json: bool) -> None:
 
     from .format import dtype_name
 
-    records = transfer._records(open_store(url), checkpoint_id)
+    records = transfer._records(open_store(url, create=False), checkpoint_id)
     md = records[0].metadata
     nbytes: dict[str, int] = {}
     for record in records:

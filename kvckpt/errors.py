@@ -31,6 +31,12 @@ class CheckpointNotFoundError(KVCheckpointError, LookupError):
     """No committed checkpoint has the requested id."""
 
 
+class StoreNotFoundError(CheckpointNotFoundError):
+    """The store does not exist (an LMDB directory that is not there). Only a save creates a
+    store: listing, inspecting or loading never does, so a mistyped path fails instead of
+    creating an empty store that has no checkpoints."""
+
+
 class MetadataError(KVCheckpointError, ValueError):
     """Stored metadata is corrupt, malformed or not kvckpt's."""
 

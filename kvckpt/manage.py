@@ -75,7 +75,9 @@ class GcReport:
 
 
 def _engine(store: str | Engine) -> Engine:
-    return open_store(store)
+    """Nothing here creates a store: listing one that does not exist, or deleting from it, is an
+    error (``StoreNotFoundError``), not a new empty store."""
+    return open_store(store, create=False)
 
 
 def _field(entry: dict[str, Any], name: str, types: tuple[type, ...], where: str) -> Any:
@@ -327,13 +329,14 @@ def _drop_save_data(engine: Engine, checkpoint_id: str, save_id: str, rank: int 
     return deleted
 
 
-def discard_save(engine: Engine, checkpoint_id: str, save_id: str) -> int:
-    """Drop a collective save that will never commit (a failed copy of ``Tiers``): its data,
-    its write lease and its pending entry, as ``gc`` does for a crashed writer's save.
+def discard_save(engine: Engine, checkpoint_id: str, save_id: str, rank: int | None = None) -> int:
+    """Drop a save that will never commit (a failed save, a failed copy of ``Tiers``): its
+    data (one rank's, for a rank-local save), its write lease and its pending entry, as ``gc``
+    does for a crashed writer's save, so it is not listed as incomplete until the next ``gc``.
     Returns the number of data keys deleted."""
-    deleted = _drop_save_data(engine, checkpoint_id, save_id, None)
+    deleted = _drop_save_data(engine, checkpoint_id, save_id, rank)
     update_index(
-        engine, lambda idx: idx.pending.pop(pending_name(checkpoint_id, save_id, None), None)
+        engine, lambda idx: idx.pending.pop(pending_name(checkpoint_id, save_id, rank), None)
     )
     return deleted
 

@@ -25,7 +25,6 @@ import dataclasses
 import io
 import os
 import pickle
-import re
 import tempfile
 import threading
 import uuid
@@ -93,7 +92,13 @@ from .engines.base import Engine
 from .errors import InvalidCheckpointIdError, KVCheckpointError, MetadataError, UnsafeObjectError
 from .format import ItemLocation
 from .manage import list_checkpoints
-from .storage import KVStorageReader, KVStorageWriter, fetch_parts
+from .storage import (
+    KVStorageReader,
+    KVStorageWriter,
+    fetch_parts,
+    plain_types_allowed,
+    refusal,
+)
 from .urls import open_store, validate_name
 
 __all__ = [
@@ -559,7 +564,7 @@ class KVLoadShardedStrategy(TorchDistLoadShardedStrategy):
         **reader_options: Any,
     ) -> None:
         super().__init__()
-        self.engine = open_store(store)
+        self.engine = open_store(store, create=False)
         self.checkpoint_id = checkpoint_id
         self.weights_only = weights_only
         self.reader_options = reader_options
@@ -570,13 +575,16 @@ class KVLoadShardedStrategy(TorchDistLoadShardedStrategy):
         return True
 
     def reader(self, checkpoint_dir: str | os.PathLike) -> KVStorageReader:
-        """The ``KVStorageReader`` of ``checkpoint_dir``'s checkpoint."""
-        return KVStorageReader(
+        """The ``KVStorageReader`` of ``checkpoint_dir``'s checkpoint. A sharded object it
+        refuses is reported with this strategy's opt-out, the one a Megatron user can pass."""
+        reader = KVStorageReader(
             self.engine,
             checkpoint_id=checkpoint_id_for(checkpoint_dir, self.checkpoint_id),
             weights_only=self.weights_only,
             **self.reader_options,
         )
+        reader.weights_only_opt_out = "KVLoadShardedStrategy(..., weights_only=False)"
+        return reader
 
     def load(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike
@@ -702,12 +710,6 @@ class KVLoadShardedStrategy(TorchDistLoadShardedStrategy):
             )
 
 
-def _refusal(e: Exception) -> str:
-    """The line of torch's long weights_only error that names what was refused."""
-    found = re.search(r"WeightsUnpickler error: (.*?)(?:\. Please|\n|$)", str(e))
-    return found.group(1) if found else str(e)[:300]
-
-
 class KVLoadCommonStrategy(LoadCommonStrategy):
     """Megatron's common-state load strategy for a kvckpt store: reads the common state that
     ``KVSaveCommonStrategy`` stored, under ``torch.load(weights_only=True)`` rules.
@@ -730,7 +732,7 @@ class KVLoadCommonStrategy(LoadCommonStrategy):
         weights_only: bool = True,
         lease: float = 60.0,
     ) -> None:
-        self.engine = open_store(store)
+        self.engine = open_store(store, create=False)
         self.checkpoint_id = checkpoint_id
         self.weights_only = weights_only
         self.lease = lease
@@ -756,14 +758,15 @@ class KVLoadCommonStrategy(LoadCommonStrategy):
 
             fetch_parts(self.engine, record, [(index, loc)], copy, verify=reader.verify)
         _common_loaded[(self.engine.url, checkpoint_id)] = record.save_id
+        if not self.weights_only:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
         try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=self.weights_only)
+            with plain_types_allowed():
+                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
-            if not self.weights_only:
-                raise
             raise UnsafeObjectError(
                 f"the Megatron common state of {where} cannot be loaded under "
-                f"torch.load(weights_only=True) rules: {_refusal(e)}. Allow its types with "
+                f"torch.load(weights_only=True) rules: {refusal(e)}. Allow its types with "
                 "torch.serialization.add_safe_globals([...]), or, if you trust everyone who can "
                 "write there, pass KVLoadCommonStrategy(..., weights_only=False)."
             ) from None

@@ -14,10 +14,11 @@ import datetime
 import io
 import logging
 import os
+import re
 import socket
+import threading
 import time
 import uuid
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future as Future_
 from concurrent.futures import ThreadPoolExecutor
@@ -47,11 +48,10 @@ from .catalog import (
     publish,
     read_index,
     read_lease,
-    release_lease,
     renew_lease,
     tidy_remote_store,
 )
-from .engines.base import Engine
+from .engines.base import Engine, byte_tensor
 from .errors import (
     CheckpointNotFoundError,
     DataError,
@@ -74,7 +74,7 @@ from .format import (
     parse_meta_key,
     part_ranges,
 )
-from .manage import NEVER, gc
+from .manage import NEVER, discard_save, gc
 from .staging import accelerator_available, advise_huge_pages
 from .urls import open_store, validate_name
 
@@ -427,9 +427,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                     for wr, fs in zip(results, hashes, strict=True)
                 ]
         except BaseException:
-            self._discard_partial(checkpoint_id, where)
-            with contextlib.suppress(Exception):
-                release_lease(self.engine, checkpoint_id, where.save_id, lease_rank)
+            self._discard_failed(checkpoint_id, where, lease_rank)
             raise
         finally:
             if hash_pool is not None:
@@ -473,17 +471,28 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                 "the checkpoint was not committed. Save it again."
             )
 
-    def _discard_partial(self, checkpoint_id: str, where: _PlanData) -> None:
-        """Best effort: drop what this rank wrote of a save that failed (gc catches the rest)."""
+    def _discard_failed(self, checkpoint_id: str, where: _PlanData, rank: int | None) -> None:
+        """Best effort: a save whose write failed will never commit (DCP fails the whole save
+        when any rank's write fails), so it leaves nothing behind. In the store that registered
+        it (the coordinator's; this rank's own for a rank-local save) the save is discarded as
+        a whole, pending entry and write lease included, so it is not listed as incomplete
+        until the next ``gc``; in another node's store, this rank's data goes. Data other ranks
+        still write afterwards is an orphan that ``gc`` removes."""
         from .format import data_prefix
 
+        registered = where.origin is None or where.origin == _store_identity(self.engine)
         try:
-            self.engine.delete_prefix(
-                f"{data_prefix(self.engine.prefix, checkpoint_id, where.save_id)}{where.rank}/"
-            )
+            if registered:
+                discard_save(self.engine, checkpoint_id, where.save_id, rank)
+            else:
+                self.engine.delete_prefix(
+                    f"{data_prefix(self.engine.prefix, checkpoint_id, where.save_id)}{where.rank}/"
+                )
         except Exception:  # the store may be what failed
             logger.warning(
-                "could not clean up the partial save of %r in %s", checkpoint_id, self.engine.url
+                "could not clean up the failed save of %r in %s (`kvckpt gc` will)",
+                checkpoint_id,
+                self.engine.url,
             )
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -492,10 +501,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
             wr.index: wr.storage_data for rank_results in results for wr in rank_results
         }
         rank = self._local_rank_key()
-        if dist.is_available() and dist.is_initialized():
-            world_size = dist.get_world_size()
-        else:
-            world_size = max(len(results), 1)
+        world_size = self._world_size(results)
         metadata.storage_meta = self.storage_meta()
         self._check_session(checkpoint_id)
         self.committed_at = publish(
@@ -524,6 +530,15 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                 scan_orphans=False,
             )
 
+    def _world_size(self, results: list[list[WriteResult]]) -> int:
+        """The world size of this save: the ranks whose results DCP gathered, not the process
+        group's size (``dcp.save(..., no_dist=True)`` in a group saves from one rank alone).
+        A rank-local save gets only its own results; it records the job's world size, which
+        tells when every rank has committed."""
+        if not self.use_collectives and dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+        return max(len(results), 1)
+
     def _protected(self, checkpoint_id: str) -> list[str]:
         """The checkpoint ids ``keep_last`` must not delete after this save's commit."""
         return [checkpoint_id]
@@ -533,7 +548,8 @@ class KVStorageReader(_KVStorageBase, StorageReader):
     """DCP ``StorageReader`` that loads from a key-value store.
 
     Args:
-        store: a store URL or an engine.
+        store: a store URL or an engine. A reader never creates a store: an LMDB path with no
+            store there is a ``StoreNotFoundError``.
         checkpoint_id: the checkpoint to load when ``dcp.load`` gets no ``checkpoint_id``.
         weights_only: load non-tensor objects under ``torch.load(weights_only=True)`` rules
             (the default), so a store that others can write to cannot run code in this
@@ -563,7 +579,7 @@ class KVStorageReader(_KVStorageBase, StorageReader):
         save_id: str | None = None,
     ) -> None:
         super().__init__()
-        self.engine = open_store(store)
+        self.engine = open_store(store, create=False)
         self.checkpoint_id = _checkpoint_id(checkpoint_id)
         self.save_id = save_id
         self.weights_only = weights_only
@@ -578,6 +594,9 @@ class KVStorageReader(_KVStorageBase, StorageReader):
         self._lease: contextlib.AbstractContextManager[Callable[[], None]] | None = None
         self._renew_lease: Callable[[], None] | None = None
         self._global_error: Exception | None = None  # see _report_unreadable
+        #: how a refused object's error tells the user to opt out: an API built on this reader
+        #: (``KVLoadShardedStrategy``) names its own parameter
+        self.weights_only_opt_out = "KVStorageReader(..., weights_only=False)"
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -714,26 +733,22 @@ class KVStorageReader(_KVStorageBase, StorageReader):
             groups.setdefault(req.storage_index, []).append(req)
         batch: list[_ItemRead] = []
         size = 0
-        with warnings.catch_warnings():
-            # Engines hand out read-only buffers; torch warns on wrapping them, but kvckpt only
-            # ever reads from them.
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            for index, reqs in groups.items():
-                loc = record.locations.get(index)
-                if loc is None:
-                    raise DataError(
-                        f"checkpoint {record.checkpoint_id!r} in {self.engine.url} has no item "
-                        f"{index.fqn!r} at offset {list(index.offset or [])}"
-                    )
-                batch.append(_ItemRead(self, record, index, loc, reqs, planner))
-                size += loc.nbytes
-                if size >= self.batch_bytes:
-                    self._read_batch(batch)
-                    batch, size = [], 0
-                    if self._renew_lease is not None:
-                        self._renew_lease()
-            if batch:
+        for index, reqs in groups.items():
+            loc = record.locations.get(index)
+            if loc is None:
+                raise DataError(
+                    f"checkpoint {record.checkpoint_id!r} in {self.engine.url} has no item "
+                    f"{index.fqn!r} at offset {list(index.offset or [])}"
+                )
+            batch.append(_ItemRead(self, record, index, loc, reqs, planner))
+            size += loc.nbytes
+            if size >= self.batch_bytes:
                 self._read_batch(batch)
+                batch, size = [], 0
+                if self._renew_lease is not None:
+                    self._renew_lease()
+        if batch:
+            self._read_batch(batch)
 
     def _host_buffer(self, items: list[_ItemRead]) -> None:
         """Give each GPU-bound direct read a slice of one host buffer, reused across batches
@@ -809,16 +824,59 @@ class KVStorageReader(_KVStorageBase, StorageReader):
             )
 
 
+#: Plain types that torch's ``weights_only`` rules refuse although rebuilding one runs no code
+#: (each is made from bytes, numbers or other already-checked values), and that DCP users keep
+#: in state dicts: ``io.BytesIO`` holds opaque blobs in PyTorch's own DCP tests and torchtitan's
+#: older ``TrainState``; ``frozenset`` and ``datetime`` values turn up in training state. Not
+#: ``collections.deque`` (the restricted unpickler cannot rebuild it) nor ``defaultdict`` (it
+#: keeps a callable that later runs on a missing key).
+SAFE_OBJECT_TYPES: tuple[type, ...] = (
+    io.BytesIO,
+    frozenset,
+    datetime.date,
+    datetime.datetime,
+    datetime.time,
+    datetime.timedelta,
+    datetime.timezone,
+)
+_safe_types_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def plain_types_allowed() -> Iterator[None]:
+    """torch's ``weights_only`` allowlist plus ``SAFE_OBJECT_TYPES`` while the block runs.
+
+    torch's allowlist is process-wide, so the block holds a lock, and adds (and afterwards
+    removes) only the types the user has not registered with ``add_safe_globals`` already."""
+    with _safe_types_lock:
+        present = set(torch.serialization.get_safe_globals())
+        with torch.serialization.safe_globals([t for t in SAFE_OBJECT_TYPES if t not in present]):
+            yield
+
+
+def refusal(e: Exception) -> str:
+    """The sentence of torch's long ``weights_only`` error that names what was refused (the
+    type or function), in full; any other error's whole message, on one line."""
+    text = str(e)
+    found = re.search(r"WeightsUnpickler error: (.*?)(?:\. Please|$)", text, re.M) or re.search(
+        r"^\s*(Trying to load unsupported .*?)\.?\s*$", text, re.M
+    )
+    return found.group(1).strip() if found else f"{type(e).__name__}: {' '.join(text.split())}"
+
+
 def check_weights_only(data: bytes, what: str, opt_out: str) -> None:
-    """Refuse an object value that ``torch.load(weights_only=True)`` would not load: DCP's
-    planners unpickle object items without restriction, so this check comes first."""
+    """Refuse an object value that ``torch.load(weights_only=True)`` would not load (with
+    ``SAFE_OBJECT_TYPES`` allowed): DCP's planners unpickle object items without restriction,
+    so this check comes first. The error names ``what`` was refused, the refused type, and
+    ``opt_out``, the way out that fits the API in use."""
     try:
-        torch.load(io.BytesIO(data), weights_only=True)
+        with plain_types_allowed():
+            torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:
         raise UnsafeObjectError(
-            f"{what} cannot be loaded under torch.load(weights_only=True) rules: "
-            f"{type(e).__name__}: {str(e)[:300]}. If you trust everyone who can write there, "
-            f"pass {opt_out}."
+            f"{what} cannot be loaded under torch.load(weights_only=True) rules: {refusal(e)}. "
+            "Allow the types you expect with torch.serialization.add_safe_globals([...]), or, "
+            f"if you trust everyone who can write there, pass {opt_out}."
         ) from None
 
 
@@ -962,9 +1020,7 @@ class _ItemRead:
         if view.nbytes:
             if self.buffer is None:
                 self.buffer = torch.empty(self.loc.nbytes, dtype=torch.uint8)
-            self.buffer[start : start + view.nbytes].copy_(
-                torch.frombuffer(view, dtype=torch.uint8)
-            )
+            self.buffer[start : start + view.nbytes].copy_(byte_tensor(view))
         if self.remaining == 0:
             assert self.buffer is not None
             self._apply(memoryview(self.buffer.numpy()))
@@ -975,7 +1031,7 @@ class _ItemRead:
             return
         dtype, sizes = self.record.chunk(self.index)
         if view.nbytes:
-            src = torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(sizes)
+            src = byte_tensor(view).view(dtype).reshape(sizes)
         else:
             src = torch.empty(sizes, dtype=dtype)
         for req in self.reqs:
@@ -996,7 +1052,7 @@ class _ItemRead:
                 data,
                 f"object {self.index.fqn!r} in checkpoint {self.record.checkpoint_id!r} "
                 f"({self.reader.engine.url})",
-                "KVStorageReader(..., weights_only=False)",
+                self.reader.weights_only_opt_out,
             )
         for req in self.reqs:
             if req.type != LoadItemType.BYTE_IO:

@@ -7,7 +7,8 @@ directory that every k-th checkpoint is exported to (survives the loss of Redis)
 
     tiers = kvckpt.Tiers(["lmdb:///dev/shm/ckpt", "redis://ckpt-redis:6379"],
                          durable="/mnt/ckpt", durable_every=10, keep_last=2)
-    step = tiers.restore(state_dict)            # None on a fresh start
+    restored = tiers.restore(state_dict)        # a Restore, or None on a fresh start
+    step = 0 if restored is None else int(restored.checkpoint_id.removeprefix("step-")) + 1
     ...
     dcp.async_save(state_dict, storage_writer=tiers.writer(), checkpoint_id=f"step-{step}")
     ...
@@ -64,12 +65,21 @@ DURABLE_INFO = "kvckpt.json"
 
 @dataclass(frozen=True)
 class Restore:
-    """Where a restart's checkpoint comes from: ``tier`` indexes ``Tiers.stores``;
-    ``len(stores)`` means the durable directory."""
+    """Where a restart's checkpoint comes from: what ``Tiers.restore`` loaded and
+    ``Tiers.latest`` would load (both return None when no tier holds a checkpoint).
+
+    Attributes:
+        checkpoint_id: the checkpoint's id, as it was saved (``"step-100"``): the training
+            step is whatever the id says, or whatever the state dict holds.
+        tier: where it is read from: an index into ``Tiers.stores`` (0 the fastest), or
+            ``len(Tiers.stores)`` for the durable directory.
+        source: that store's URL (password masked) or the checkpoint's durable directory.
+        created_at: Unix time of the save's commit in the first tier (copies keep it).
+    """
 
     checkpoint_id: str
     tier: int
-    source: str  #: the store URL (password masked) or the directory
+    source: str
     created_at: float
 
 
@@ -116,7 +126,9 @@ class Tiers:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvckpt-tiers")
         self._lock = threading.Lock()
         self._jobs: list[Future[None]] = []
-        self._errors: list[BaseException] = []
+        #: the first error of each save whose copy failed: one failed copy counts once, however
+        #: many of its jobs (its copy, then its commit) fail because of it
+        self._errors: dict[str, BaseException] = {}
         self._commits = 0
         self._failed: set[str] = set()  # saves whose copy failed in this process
         self._busy: Counter[str] = Counter()  # checkpoint id -> background jobs on it
@@ -162,7 +174,7 @@ class Tiers:
             except BaseException as e:
                 logger.error("kvckpt tiers: %s", e)
                 with self._lock:
-                    self._errors.append(e)
+                    self._errors.setdefault(save_id, e)
                     self._failed.add(save_id)  # a later job on this save need not wait for it
             finally:
                 self._renew_lease = _no_renewal
@@ -193,7 +205,7 @@ class Tiers:
         for job in jobs:
             job.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
         with self._lock:
-            errors, self._errors = self._errors, []
+            errors, self._errors = list(self._errors.values()), {}
         if errors:
             raise ReplicationError(
                 f"{len(errors)} background cop{'y' if len(errors) == 1 else 'ies'} failed; "
@@ -221,8 +233,8 @@ class Tiers:
                     "checkpoint %r will not be copied to %s: %s", checkpoint_id, engine.url, e
                 )
                 with self._lock:
-                    self._errors.append(
-                        ReplicationError(f"checkpoint {checkpoint_id!r} not copied: {e}")
+                    self._errors.setdefault(
+                        save_id, ReplicationError(f"checkpoint {checkpoint_id!r} not copied: {e}")
                     )
         return tuple(ok)
 
@@ -632,7 +644,7 @@ class TieredStorageWriter(KVStorageWriter):
             return
         assert self.committed_at is not None
         locations = {wr.index: wr.storage_data for rank in results for wr in rank}
-        world_size = dist.get_world_size() if dist.is_initialized() else max(len(results), 1)
+        world_size = self._world_size(results)
         self.tiers._submit(
             self.tiers._commit_copies,
             self._replicas,

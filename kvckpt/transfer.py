@@ -150,7 +150,7 @@ def located(
 def verify(store: str | Engine, checkpoint_id: str, *, progress: bool = False) -> VerifyReport:
     """Check that every data key of a checkpoint exists and has the size its metadata says,
     and, where the save recorded checksums, that every value matches its checksum."""
-    engine = open_store(store)
+    engine = open_store(store, create=False)
     report = VerifyReport(checkpoint_id)
     with read_lease(engine, checkpoint_id, TOOL_READ_LEASE):
         _verify(engine, checkpoint_id, report, progress)
@@ -249,7 +249,7 @@ def copy_checkpoint(
 ) -> CheckpointRecord:
     """Copy a committed checkpoint to another store (or another id), committing it there the
     same way a save does. E.g. a node's LMDB to the shared Redis."""
-    src_engine, dst_engine = open_store(src), open_store(dst)
+    src_engine, dst_engine = open_store(src, create=False), open_store(dst)
     target = validate_name(new_id or checkpoint_id)
     if (
         src_engine.url == dst_engine.url
@@ -307,7 +307,7 @@ def export_checkpoint(
     store: str | Engine, checkpoint_id: str, directory: str | os.PathLike, *, progress: bool = False
 ) -> Path:
     """Write a checkpoint as a standard DCP directory (FileSystemWriter's layout)."""
-    engine = open_store(store)
+    engine = open_store(store, create=False)
     with read_lease(engine, checkpoint_id, TOOL_READ_LEASE):
         return _export(engine, checkpoint_id, Path(directory), progress)
 
@@ -516,7 +516,9 @@ def torch_save_checkpoint(store: str | Engine, checkpoint_id: str, path: str | o
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    engine = open_store(store)
+    engine = open_store(store, create=False)
+    # A missing store or checkpoint fails here with kvckpt's own error, not wrapped by DCP.
+    _records(engine, checkpoint_id)
     state_dict: dict[str, Any] = {}
     _load_state_dict(
         state_dict,

@@ -8,6 +8,7 @@ a callable taking the URL string and returning an :class:`~kvckpt.engines.base.E
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from importlib.metadata import entry_points
@@ -106,11 +107,11 @@ def parse_size(raw: str) -> int:
     return number * base ** "_KMGT".index(unit or "_")
 
 
-def _builtin_factory(scheme: str) -> Callable[[str], Engine]:
+def _builtin_factory(scheme: str, create: bool) -> Callable[[str], Engine]:
     if scheme == "lmdb":
         from .engines.lmdb import LMDBEngine
 
-        return LMDBEngine.from_url
+        return functools.partial(LMDBEngine.from_url, create=create)
     if scheme.endswith("+cluster"):
         from .engines.redis_cluster import RedisClusterEngine
 
@@ -127,8 +128,12 @@ def _plugin_factory(scheme: str) -> Callable[[str], Engine] | None:
     return None
 
 
-def open_store(store: str | Engine) -> Engine:
+def open_store(store: str | Engine, *, create: bool = True) -> Engine:
     """The engine for a store URL; an engine object is returned as it is.
+
+    ``create=False`` is for callers that only read (listing, inspecting, loading): an engine
+    with a place to create (an LMDB directory) then raises ``StoreNotFoundError`` where the
+    store does not exist, instead of creating an empty one. Writers create it (the default).
 
     >>> open_store("lmdb:///dev/shm/ckpt")            # doctest: +SKIP
     >>> open_store("redis://:pw@redis-host:6379/0?prefix=run7")  # doctest: +SKIP
@@ -148,7 +153,9 @@ def open_store(store: str | Engine) -> Engine:
             f"store URL {mask_url(store)!r} has no scheme: use e.g. 'lmdb:///dev/shm/ckpt' or "
             "'redis://localhost:6379/0'"
         )
-    factory = _builtin_factory(scheme) if scheme in BUILTIN_SCHEMES else _plugin_factory(scheme)
+    factory = (
+        _builtin_factory(scheme, create) if scheme in BUILTIN_SCHEMES else _plugin_factory(scheme)
+    )
     if factory is None:
         plugins = sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
         known = ", ".join([*BUILTIN_SCHEMES, *plugins])

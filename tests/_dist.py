@@ -155,6 +155,19 @@ def rank_local_worker(rank: int, world_size: int, port: int, url: str) -> None:
     _finish()
 
 
+def solo_save_worker(rank: int, world_size: int, port: int, url: str) -> None:
+    """Rank 0 saves alone (``no_dist=True``) inside an initialised process group."""
+    _init(rank, world_size, port)
+    if rank == 0:
+        dcp.save(
+            {"w": torch.ones(4)},
+            storage_writer=KVStorageWriter(url),
+            checkpoint_id="solo",
+            no_dist=True,
+        )
+    _finish()
+
+
 def fs_save_worker(rank: int, world_size: int, port: int, directory: str) -> None:
     """Stock DCP: FileSystemWriter at this world size (the source for `kvckpt import`)."""
     _init(rank, world_size, port)

@@ -53,6 +53,7 @@ def test_every_subcommand_has_help_with_an_example(command: str) -> None:
 
 
 def test_ls_info_verify_rm_gc(store_url: str) -> None:
+    open_store(store_url).get("-")  # a store that exists and is empty (an engine that may write)
     result = run("ls", store_url)
     assert result.returncode == 0 and "no checkpoints" in result.stdout
     save(store_url, "step-1")
@@ -129,3 +130,21 @@ def test_exit_codes_and_messages(lmdb_url: str) -> None:
     assert run("info", lmdb_url, "bad/id").returncode == 2
     assert run("gc", lmdb_url, "--keep-last", "-1").returncode == 2
     assert run("nonsense").returncode == 2
+
+
+def test_read_only_commands_never_create_a_store(tmp_path) -> None:
+    """Issue #18: `kvckpt ls lmdb:///some/typo` created /some/typo with a 1 GiB data.mdb and
+    printed "no checkpoints"."""
+    typo = tmp_path / "some" / "typo"
+    url = f"lmdb://{typo}"
+    for args in (
+        ("ls", url),
+        ("info", url, "step-1"),
+        ("verify", url, "step-1"),
+        ("export", url, "step-1", str(tmp_path / "out")),
+        ("torch-save", url, "step-1", str(tmp_path / "out.pt")),
+    ):
+        result = run(*args)
+        assert result.returncode == 3, (args, result.stdout, result.stderr)
+        assert f"no LMDB store at {typo}" in result.stderr, (args, result.stderr)
+    assert not (tmp_path / "some").exists() and not (tmp_path / "out").exists()

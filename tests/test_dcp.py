@@ -179,6 +179,7 @@ def test_unknown_checkpoint_lists_existing_ids(store_url: str, caplog) -> None:
 
 
 def test_empty_store_says_so(store_url: str) -> None:
+    open_store(store_url).get("-")  # a store that exists and is empty (an engine that may write)
     with pytest.raises(CheckpointNotFoundError, match="no checkpoints"):
         KVStorageReader(store_url, checkpoint_id="x").read_record()
 
@@ -314,6 +315,53 @@ def test_weights_only_blocks_unsafe_objects_and_opt_out_allows(store_url: str) -
         load({"t": torch.zeros(2), "args": None}, store_url)
     out = load({"t": torch.zeros(2), "args": None}, store_url, weights_only=False)
     assert out["args"].lr == 0.1
+
+
+def test_bytesio_and_plain_values_load_by_default(store_url: str) -> None:
+    """Issue #18: PyTorch's DCP tests and torchtitan's older TrainState keep blobs as
+    io.BytesIO; rebuilding one (or a frozenset, a datetime) runs no code, so the safe default
+    loads them, as FileSystemReader does."""
+    import datetime
+    import io
+
+    losses = io.BytesIO()
+    torch.save([0.5, 0.25], losses)
+    started = datetime.datetime(2025, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
+    train = {
+        "step": 7,
+        "losses": losses,
+        "seen": frozenset({1, 2}),
+        "started": started,
+        "day": started.date(),
+        "elapsed": datetime.timedelta(seconds=90),
+    }
+    save({"t": torch.ones(2), "train": train}, store_url)
+    out = load({"t": torch.zeros(2), "train": dict.fromkeys(train)}, store_url)
+    got = out["train"]
+    assert isinstance(got["losses"], io.BytesIO)
+    got["losses"].seek(0)
+    assert torch.load(got["losses"], weights_only=True) == [0.5, 0.25]
+    assert got["seen"] == frozenset({1, 2}) and got["started"] == started
+    assert got["day"] == started.date() and got["elapsed"] == datetime.timedelta(seconds=90)
+    # The allowance lasts only for kvckpt's check: torch's process-wide allowlist is as it was.
+    assert io.BytesIO not in torch.serialization.get_safe_globals()
+
+
+def test_bytesio_carries_no_code_past_the_check(store_url: str) -> None:
+    """A BytesIO's pickled state includes its __dict__: what is in there is checked too."""
+    import io
+    import os
+
+    marker = "/tmp/kvckpt-pwned"
+    if os.path.exists(marker):
+        os.remove(marker)
+    smuggler = io.BytesIO(b"blob")
+    smuggler.extra = Payload()
+    save({"t": torch.ones(2), "blob": smuggler}, store_url)
+    refused = r"'blob' in checkpoint 'step-1'.*GLOBAL (posix|os)\.system"
+    with pytest.raises(BaseException, match=refused):
+        load({"t": torch.zeros(2), "blob": None}, store_url)
+    assert not os.path.exists(marker)
 
 
 def test_writer_and_reader_pickle(store_url: str) -> None:

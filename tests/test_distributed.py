@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.multiprocessing as mp
 
-from kvckpt import KVStorageReader
+from kvckpt import KVStorageReader, list_checkpoints
 from tests import _dist
 from tests.conftest import free_port
 
@@ -37,3 +37,11 @@ def test_use_collectives_false_rank_local(store_url: str) -> None:
 @pytest.fixture(autouse=True)
 def _quiet_env(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+
+
+def test_no_dist_save_in_a_group_records_the_world_size_of_the_save(store_url: str) -> None:
+    """Issue #18: one rank of two saving with no_dist=True wrote world size 2."""
+    spawn(_dist.solo_save_worker, 2, store_url)
+    assert KVStorageReader(store_url, checkpoint_id="solo").read_record().world_size == 1
+    (info,) = list_checkpoints(store_url)
+    assert info.checkpoint_id == "solo" and info.world_size == 1 and info.complete

@@ -37,6 +37,7 @@ def data_keys(url: str) -> list[str]:
 
 
 def test_list_and_latest(store_url: str) -> None:
+    open_store(store_url).get("-")  # a store that exists and is empty (an engine that may write)
     assert list_checkpoints(store_url) == []
     assert latest_checkpoint(store_url) is None
     for i in range(3):
@@ -201,3 +202,70 @@ def test_keep_last_reaches_the_other_nodes_lmdb_stores(tmp_path) -> None:  # typ
     assert list_checkpoints(other) == []
     assert gc(other).deleted_keys == 0
     assert saves(other) == {"step-2", "step-3"}
+
+
+def test_read_only_operations_never_create_an_lmdb_store(tmp_path) -> None:
+    """Issue #18: `kvckpt ls lmdb:///some/typo` created the directory with a 1 GiB data.mdb and
+    said "no checkpoints". Reading a store that is not there is an error naming the path."""
+    from kvckpt import StoreNotFoundError
+    from kvckpt.transfer import copy_checkpoint, export_checkpoint, torch_save_checkpoint, verify
+
+    missing = tmp_path / "typo"
+    empty = tmp_path / "empty"  # a directory, but no store in it
+    empty.mkdir()
+    for path in (missing, empty):
+        url = f"lmdb://{path}"
+        reads = [
+            (list_checkpoints, url),
+            (latest_checkpoint, url),
+            (delete_checkpoint, url, "x"),
+            (gc, url),
+            (KVStorageReader(url, checkpoint_id="x").read_record,),
+            (verify, url, "x"),
+            (export_checkpoint, url, "x", tmp_path / "out"),
+            (copy_checkpoint, url, "x", f"lmdb://{tmp_path / 'dst'}"),
+            (torch_save_checkpoint, url, "x", tmp_path / "out.pt"),
+        ]
+        for read, *args in reads:
+            with pytest.raises(StoreNotFoundError, match=f"no LMDB store at {path}"):
+                read(*args)
+        with pytest.raises(BaseException, match=f"no LMDB store at {path}"):  # wrapped by DCP
+            dcp.load({"w": torch.zeros(2)}, storage_reader=KVStorageReader(url, checkpoint_id="x"))
+        # a missing store is a checkpoint not found (the CLI's exit code 3)
+        assert issubclass(StoreNotFoundError, CheckpointNotFoundError)
+    assert not missing.exists() and list(empty.iterdir()) == []
+    assert not (tmp_path / "dst").exists()
+    # Writers create the store, as before; then readers find it.
+    save(f"lmdb://{missing}", "step-1")
+    assert latest_checkpoint(f"lmdb://{missing}") == "step-1"
+
+
+def test_a_wiped_lmdb_directory_is_not_read_from_the_old_mapping(tmp_path) -> None:
+    """Issue #18: after the node-local directory was removed, a new reader in the same process
+    still read the old, still-mapped environment (shared per process and path)."""
+    import shutil
+
+    from kvckpt import StoreNotFoundError
+
+    path = tmp_path / "node"
+    url = f"lmdb://{path}"
+    save(url, "old", 1.0)
+    held = open_store(url)  # an engine still using the environment when it is wiped
+    assert held.get(index_key(held.prefix)) is not None
+    assert latest_checkpoint(url) == "old"  # the environment is cached in this process
+    shutil.rmtree(path)
+    with pytest.raises(StoreNotFoundError, match=f"no LMDB store at {path}"):
+        list_checkpoints(url)
+    with pytest.raises(BaseException, match="no LMDB store"):
+        dcp.load({"w": torch.zeros(256)}, storage_reader=KVStorageReader(url), checkpoint_id="old")
+    # A new store at the same path is what new writers and readers see, not the old one.
+    save(url, "new", 2.0)
+    assert [i.checkpoint_id for i in list_checkpoints(url)] == ["new"]
+    out = {"w": torch.zeros(256), "step": 0}
+    dcp.load(out, storage_reader=KVStorageReader(url), checkpoint_id="new")
+    assert torch.equal(out["w"], torch.full((256,), 2.0)) and out["step"] == 2
+    held.close()  # the replaced environment closes with its last user
+    # Replaced (not just removed) under a cached environment: noticed as well.
+    shutil.rmtree(path)
+    save(url, "newer", 3.0)
+    assert [i.checkpoint_id for i in list_checkpoints(url)] == ["newer"]

@@ -233,6 +233,44 @@ def test_a_resave_between_common_and_sharded_reads_fails_the_load(
         dist.destroy_process_group()
 
 
+def test_refused_sharded_object_names_checkpoint_object_type_and_strategy_opt_out(
+    urls: dict[str, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue #18: the refusal was cut at 300 characters mid-word (the refused type lost) and
+    advised KVStorageReader(..., weights_only=False), which a Megatron user cannot pass."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    url = urls["lmdb"]
+    ckpt_dir = tmp_path / "iter_opaque"
+    ckpt_dir.mkdir()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        saved = {
+            "t": ShardedTensor.from_rank_offsets("t", torch.ones(2)),
+            "obj": ShardedObject("obj", ranks.Opaque(), (1,), (0,)),
+        }
+        kvm_save(saved, ckpt_dir, KVSaveShardedStrategy(url))
+        wanted = {
+            "t": ShardedTensor.from_rank_offsets("t", torch.zeros(2)),
+            "obj": ShardedObject("obj", None, (1,), (0,)),
+        }
+        pattern = (
+            r"'obj/shard_0_1' in checkpoint 'iter_opaque'.*"
+            r"GLOBAL tests\._megatron_ranks\.Opaque was not an allowed global.*"
+            r"KVLoadShardedStrategy\(\.\.\., weights_only=False\)"
+        )
+        with load_fails(caplog, pattern) as info:
+            KVLoadShardedStrategy(url).load(wanted, ckpt_dir)
+        assert "KVStorageReader(..., weights_only=False)" not in str(info.value)
+        loaded = KVLoadShardedStrategy(url, weights_only=False).load(wanted, ckpt_dir)
+        assert loaded["obj"] == ranks.Opaque()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_errors_name_the_checkpoint_and_the_fix(urls: dict[str, str], tmp_path: Path) -> None:
     url = urls["lmdb"]
     with pytest.raises(InvalidCheckpointIdError, match=r"checkpoint_id=\.\.\."):

@@ -14,9 +14,13 @@ import torch.distributed.checkpoint as dcp
 from kvckpt import (
     KVStorageReader,
     KVStorageWriter,
+    StoreUnavailableError,
     latest_checkpoint,
     list_checkpoints,
+    open_store,
 )
+from kvckpt.catalog import lease_key
+from kvckpt.format import data_prefix
 from kvckpt.testing import RedisServer
 
 
@@ -69,5 +73,24 @@ def test_too_few_replicas_is_a_clear_error(pair: tuple[RedisServer, RedisServer]
         dcp.save(sd(2.0), storage_writer=KVStorageWriter(url), checkpoint_id="new")
     assert time.monotonic() - started < 20
     assert "wait_timeout" in str(info.value)
+    # The server answered: the error says so, not "cannot reach Redis" (issue #18).
+    assert "cannot reach" not in str(info.value) and "redis-server running" not in str(info.value)
     # The data wait failed before the commit: "new" never existed; "old" is intact.
     assert [i.checkpoint_id for i in list_checkpoints(primary.url())] == ["old"]
+    # The failed save is cleaned up at once, as other failed saves are: not listed as
+    # incomplete, no data left, its write lease released (issue #18).
+    assert [i.checkpoint_id for i in list_checkpoints(primary.url(), include_incomplete=True)] == [
+        "old"
+    ]
+    engine = open_store(primary.url())
+    assert list(engine.scan(data_prefix(engine.prefix, "new"))) == []
+    assert engine.get(lease_key(engine.prefix, "new")) is None
+
+
+def test_too_few_replicas_keeps_its_own_diagnosis(redis_url: str) -> None:
+    engine = open_store(redis_url + "?wait_replicas=1&wait_timeout=0.1")
+    with pytest.raises(StoreUnavailableError) as info:
+        engine.sync_replicas()
+    message = str(info.value)
+    assert message.startswith("only 0 of the 1 replicas"), message
+    assert "cannot reach" not in message

@@ -15,6 +15,7 @@ from kvckpt import (
     KVStorageReader,
     KVStorageWriter,
     ReplicationError,
+    Restore,
     Tiers,
     UnsafeObjectError,
     latest_checkpoint,
@@ -115,6 +116,23 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
     srv = RedisServer(tmp_path / "redis")
     yield srv
     srv.stop()
+
+
+def test_one_failed_copy_is_counted_once(tmp_path: Path, server: RedisServer) -> None:
+    """Issue #18: a copy that failed (the replica has no room) also failed its commit job,
+    and wait() reported "2 background copies failed" for one checkpoint."""
+    client = server.client()
+    client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + (256 << 10))
+    client.close()
+    local = f"lmdb://{tmp_path / 'node'}"
+    tiers = Tiers([local, server.url()])
+    dcp.save(sd(1.0), storage_writer=tiers.writer(), checkpoint_id="step-1")  # 1 MiB
+    with pytest.raises(ReplicationError) as info:
+        tiers.wait()
+    assert str(info.value).startswith("1 background copy failed; the first: "), info.value
+    assert "step-1" in str(info.value)
+    tiers.wait()  # reported once
+    tiers.close()
 
 
 def test_replica_restarted_mid_copy_never_shows_a_partial_checkpoint(
@@ -226,3 +244,82 @@ def test_keep_last_waits_for_copies_still_in_flight(tmp_path: Path, redis_url: s
     for url in (local, redis_url):
         assert [i.checkpoint_id for i in list_checkpoints(url)] == ["step-3"]
     tiers.close()
+
+
+def test_restore_is_documented() -> None:
+    """Issue #18: Restore was undocumented and the module docstring showed
+    ``step = tiers.restore(...)`` although restore returns a Restore."""
+    import dataclasses
+
+    import kvckpt.tiered
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert "kvckpt.Restore" in readme
+    for field in dataclasses.fields(Restore):
+        assert f"{field.name}:" in (Restore.__doc__ or ""), field.name
+        assert f"`{field.name}`" in readme, field.name
+    assert "step = tiers.restore(" not in (kvckpt.tiered.__doc__ or "")
+
+
+_QUIET_SCRIPT = """
+import sys
+import warnings
+import torch
+import torch.distributed.checkpoint as dcp
+import kvckpt
+
+# DCP's own notice that it saves in a single process (torch.distributed not initialised)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+a, b = sys.argv[1:]
+tiers = kvckpt.Tiers([f"lmdb://{a}", f"lmdb://{b}"])
+state = {"w": torch.rand(1 << 19), "m": torch.rand(64, 64), "step": 3}  # 2 MiB: parallel copy
+dcp.save(state, storage_writer=tiers.writer(), checkpoint_id="step-3")
+tiers.wait()
+for url in (f"lmdb://{a}", f"lmdb://{b}"):
+    out = {"w": torch.zeros(1 << 19), "m": torch.zeros(64, 64).t(), "step": 0}  # m: staged
+    reader = kvckpt.KVStorageReader(url, checkpoint_id="step-3")
+    dcp.load(out, storage_reader=reader)
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["m"], state["m"])
+tiers.close()
+print("done")
+"""
+
+
+def test_background_copies_and_loads_print_no_warnings(tmp_path: Path) -> None:
+    """Issue #18: background copies printed torch's "The given buffer is not writable"
+    UserWarning (once per process, so a process of its own)."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _QUIET_SCRIPT, str(tmp_path / "a"), str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "default"},
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
+    assert "Warning" not in done.stderr, done.stderr
+
+
+def test_a_new_tiers_does_not_restore_from_a_wiped_node_store(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Issue #18: after the node-local directory was removed, a new Tiers in the same process
+    still restored from the old, still-mapped LMDB environment."""
+    import shutil
+
+    node = tmp_path / "node"
+    first = Tiers([f"lmdb://{node}", redis_url])
+    dcp.save(sd(1.0), storage_writer=first.writer(), checkpoint_id="step-1")
+    first.wait()
+    shutil.rmtree(node)  # the node is wiped; the first Tiers still holds its engine
+    second = Tiers([f"lmdb://{node}", redis_url])
+    out = sd(0.0)
+    choice = second.restore(out)
+    assert choice is not None and (choice.checkpoint_id, choice.tier) == ("step-1", 1)
+    assert same(out, sd(1.0))
+    first.close()
+    second.close()

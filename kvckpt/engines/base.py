@@ -8,9 +8,13 @@ process) and must open connections lazily so a pickled engine reconnects on firs
 
 from __future__ import annotations
 
+import ctypes
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 #: Anything with the buffer protocol that kvckpt hands to an engine as a value.
 BytesLike = bytes | bytearray | memoryview
@@ -60,12 +64,31 @@ def hashed_pieces(view: memoryview, hasher: Hasher) -> Iterator[memoryview]:
         yield piece
 
 
+def byte_tensor(view: memoryview) -> torch.Tensor:
+    """A uint8 tensor over ``view``'s memory (not empty), without a copy and without a warning.
+
+    Engines hand out read-only views (LMDB's memory map), and torch warns on wrapping
+    read-only memory ("The given buffer is not writable"), having no read-only tensors. kvckpt
+    only ever reads from these tensors, so a read-only view is wrapped through a writable
+    alias of the same memory instead. (``warnings.catch_warnings`` would change process-wide
+    state that ``Tiers``' background copies, in another thread, share.) The tensor keeps
+    ``view`` referenced, and is valid as long as the view is.
+    """
+    import numpy as np
+    import torch
+
+    if not view.readonly:
+        return torch.frombuffer(view, dtype=torch.uint8)
+    address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    alias = (ctypes.c_ubyte * view.nbytes).from_address(address)
+    alias.source = view  # type: ignore[attr-defined]  # kept alive with the tensor
+    return torch.frombuffer(alias, dtype=torch.uint8)
+
+
 def copy_bytes(dest: memoryview, src: memoryview) -> None:
     """memcpy, using torch's parallel copy for large buffers (2x on 2 cores)."""
     if src.nbytes >= 1 << 20:
-        import torch
-
-        torch.frombuffer(dest, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
+        byte_tensor(dest).copy_(byte_tensor(src))
     else:
         dest[:] = src
 

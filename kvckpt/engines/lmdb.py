@@ -7,7 +7,10 @@ pages are reused, so repeated saves into a warm store overwrite memory that is a
 The map grows on demand: before a batch is written the map is enlarged to fit it, and a
 ``MapFullError`` that still happens is answered by doubling the map and retrying, so it never
 reaches the user. LMDB forbids opening one environment twice in a process, so environments are
-shared per (process, path) and reference-counted.
+shared per (process, path) and reference-counted; each open checks that the directory still
+holds the data file the shared environment maps (a wiped directory is not read from the old
+mapping). Only writers create a store: an engine opened with ``create=False`` (every read-only
+caller) fails with ``StoreNotFoundError`` where there is none.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 
 import lmdb
 
-from ..errors import InvalidURLError, StoreFullError, StoreUnavailableError
+from ..errors import InvalidURLError, StoreFullError, StoreNotFoundError, StoreUnavailableError
 from ..urls import (
     DEFAULT_PREFIX,
     parse_bool,
@@ -134,6 +137,17 @@ def _on_tmpfs(path: str) -> bool:
     return fstype == "tmpfs"
 
 
+def _data_file_identity(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the store's data file, None if there is none. While an environment
+    is open it holds the file open, so no other file can get the same inode number: a
+    different identity means the file was removed or replaced since."""
+    try:
+        st = os.stat(os.path.join(path, "data.mdb"))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 class _SharedEnv:
     """One open ``lmdb.Environment`` per (pid, real path), shared by every engine using it."""
 
@@ -153,6 +167,7 @@ class _SharedEnv:
             readahead=False,
             lock=True,
         )
+        self.identity = _data_file_identity(path)
         self.refs = 0
         # Serializes this process's writers.
         self.write_lock = threading.Lock()
@@ -178,11 +193,36 @@ class _SharedEnv:
             self.env.set_mapsize(size)
 
     @classmethod
-    def acquire(cls, path: str, **kwargs: Any) -> _SharedEnv:
+    def acquire(cls, path: str, create: bool, **kwargs: Any) -> _SharedEnv:
+        """The shared environment of ``path``, opened (and, with ``create``, the directory
+        made) if this process has none, or none that maps the data file there now."""
         key = (os.getpid(), os.path.realpath(path))
         with cls._lock:
             shared = cls._envs.get(key)
+            identity = _data_file_identity(path)
+            if shared is not None and shared.identity != identity:
+                # The directory or its data file was removed or replaced (a wipe, an
+                # operator's rm -rf) since this process opened it: the environment maps the
+                # old file. Nobody gets it again; it closes now if unused, else once its last
+                # user lets go (``release``).
+                del cls._envs[key]
+                cls._idle.pop(key, None)
+                if shared.refs == 0:
+                    shared.env.close()
+                shared = None
             if shared is None:
+                if create:
+                    os.makedirs(path, exist_ok=True)
+                elif identity is None:
+                    raise StoreNotFoundError(
+                        f"no LMDB store at {path}: "
+                        + (
+                            "the directory holds no data.mdb"
+                            if os.path.isdir(path)
+                            else "the directory does not exist"
+                        )
+                        + ". Check the path in the URL; only a save creates a store."
+                    )
                 cls._close_inherited(key)
                 shared = cls._envs[key] = cls(path, **kwargs)
                 shared.env.reader_check()  # clear slots of readers that died (SIGKILL)
@@ -213,16 +253,18 @@ class _SharedEnv:
             cls._idle.pop(other, None)
 
     @classmethod
-    def release(cls, path: str) -> None:
+    def release(cls, path: str, shared: _SharedEnv) -> None:
         """Drop one reference. An environment nobody uses stays open (up to ``_KEEP_IDLE`` of
-        them): reopening would unmap the map and fault every page in again on the next load."""
+        them): reopening would unmap the map and fault every page in again on the next load.
+        One that was replaced (its files were removed) closes with its last user."""
         key = (os.getpid(), os.path.realpath(path))
         with cls._lock:
-            shared = cls._envs.get(key)
-            if shared is None:
-                return
             shared.refs -= 1
             if shared.refs > 0:
+                return
+            if cls._envs.get(key) is not shared:
+                with contextlib.suppress(lmdb.Error):
+                    shared.env.close()
                 return
             cls._idle[key] = None
             while len(cls._idle) > _KEEP_IDLE:
@@ -258,6 +300,7 @@ class LMDBEngine(Engine):
         writemap: bool = True,
         part_bytes: int = 1 * _GIB,
         txn_bytes: int = _TXN_BYTES,
+        create: bool = True,
     ) -> None:
         if not os.path.isabs(path):
             raise InvalidURLError(
@@ -269,11 +312,13 @@ class LMDBEngine(Engine):
         self._options = dict(map_size=map_size, sync=sync, writemap=writemap)
         self.max_value_bytes = part_bytes
         self.txn_bytes = txn_bytes
+        #: False for read-only callers: a missing store is an error, never created
+        self.create = create
         self._shared: _SharedEnv | None = None
         self._pid = os.getpid()
 
     @classmethod
-    def from_url(cls, url: str) -> LMDBEngine:
+    def from_url(cls, url: str, *, create: bool = True) -> LMDBEngine:
         parts, opts = split_options(url)
         if parts.netloc not in ("", "localhost"):
             raise InvalidURLError(
@@ -293,7 +338,7 @@ class LMDBEngine(Engine):
                 f"unknown option(s) {sorted(opts)} in LMDB URL {url!r}; known: prefix, "
                 "map_size, sync, writemap, part_bytes, txn_bytes"
             )
-        return cls(parts.path, **kwargs)
+        return cls(parts.path, create=create, **kwargs)
 
     @property
     def url(self) -> str:
@@ -306,7 +351,14 @@ class LMDBEngine(Engine):
     def __reduce__(self) -> Any:
         return (
             _rebuild,
-            (self.path, self._prefix, self._options, self.max_value_bytes, self.txn_bytes),
+            (
+                self.path,
+                self._prefix,
+                self._options,
+                self.max_value_bytes,
+                self.txn_bytes,
+                self.create,
+            ),
         )
 
     # -- environment ----------------------------------------------------------------------
@@ -315,8 +367,7 @@ class LMDBEngine(Engine):
     def _env(self) -> _SharedEnv:
         if self._shared is None or self._pid != os.getpid():
             try:
-                os.makedirs(self.path, exist_ok=True)
-                self._shared = _SharedEnv.acquire(self.path, **self._options)
+                self._shared = _SharedEnv.acquire(self.path, self.create, **self._options)
             except (OSError, lmdb.Error) as e:
                 raise StoreUnavailableError(
                     f"cannot open LMDB environment at {self.path}: {e}. Check that the "
@@ -327,7 +378,7 @@ class LMDBEngine(Engine):
 
     def close(self) -> None:
         if self._shared is not None and self._pid == os.getpid():
-            _SharedEnv.release(self.path)
+            _SharedEnv.release(self.path, self._shared)
         self._shared = None
 
     def __del__(self) -> None:
@@ -563,6 +614,13 @@ def close_idle_environments(path: str | None = None) -> None:
 
 
 def _rebuild(
-    path: str, prefix: str, options: dict[str, Any], part_bytes: int, txn_bytes: int
+    path: str,
+    prefix: str,
+    options: dict[str, Any],
+    part_bytes: int,
+    txn_bytes: int,
+    create: bool = True,
 ) -> LMDBEngine:
-    return LMDBEngine(path, prefix=prefix, part_bytes=part_bytes, txn_bytes=txn_bytes, **options)
+    return LMDBEngine(
+        path, prefix=prefix, part_bytes=part_bytes, txn_bytes=txn_bytes, create=create, **options
+    )

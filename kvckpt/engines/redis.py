@@ -29,6 +29,7 @@ import redis
 
 from ..errors import (
     InvalidURLError,
+    KVCheckpointError,
     ReadOnlyStoreError,
     StoreFullError,
     StoreUnavailableError,
@@ -59,12 +60,17 @@ T = TypeVar("T")
 
 
 def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
-    """Turn redis-py's connection errors into one that names the server (never the password)."""
+    """Turn redis-py's connection errors into one that names the server (never the password).
+    kvckpt's own errors pass through as they are: they already say what went wrong, and
+    ``StoreUnavailableError`` is an ``OSError`` that must not be re-diagnosed as an unreachable
+    server (too few replicas answering ``WAIT`` is not that)."""
 
     @functools.wraps(method)
     def wrapper(self: RedisEngine, *args: Any, **kwargs: Any) -> T:
         try:
             return method(self, *args, **kwargs)
+        except KVCheckpointError:
+            raise
         except redis.AuthenticationError as e:
             raise StoreUnavailableError(
                 f"Redis at {self.address} refused the credentials in {self.url}: {e}. Check the "
