@@ -7,6 +7,8 @@ directory that every k-th checkpoint is exported to (survives the loss of Redis)
 
     tiers = kvckpt.Tiers(["lmdb:///dev/shm/ckpt", "redis://ckpt-redis:6379"],
                          durable="/mnt/ckpt", durable_every=10, keep_last=2)
+    tiers.prefetch()                            # at the top of the script: see prefetch()
+    ...                                         # process group, model, optimizer
     restored = tiers.restore(state_dict)        # a Restore, or None on a fresh start
     step = 0 if restored is None else int(restored.checkpoint_id.removeprefix("step-")) + 1
     ...
@@ -21,6 +23,10 @@ before any rank writes (DCP's global plan step); each rank then copies *its own*
 local tier in a background thread; the coordinator's background thread waits until every key
 is in the replica and only then commits the same metadata there. A replica therefore never
 shows a checkpoint that is not whole, and a rank never needs another node's local store.
+
+A restart reverses the copy: ``prefetch()`` brings the newest checkpoint from a shared tier into
+the node-local one (the same keys, save id and commit time) while the job starts up, so the
+restore reads local memory.
 """
 
 from __future__ import annotations
