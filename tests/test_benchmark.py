@@ -101,7 +101,7 @@ def test_goodput_smoke_run(tmp_path) -> None:
             "benchmarks/goodput.py",
             *("--width", "32", "--layers", "1", "--steps", "2500", "--kills", "8"),
             *("--calibrate-saves", "1", "--repeats", "1", "--systems", "lmdb,tiers"),
-            *("--max-load", "1000", "--out", str(out)),
+            *("--max-busy", "1", "--out", str(out)),
         ],
         cwd=ROOT,
         capture_output=True,
