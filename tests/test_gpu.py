@@ -110,3 +110,34 @@ def test_resharded_load_into_cuda(store_url: str) -> None:
         planner=DefaultLoadPlanner(),
     )
     assert torch.equal(dest["w"].cpu(), full.cpu().to(torch.bfloat16))
+
+
+def test_background_stager_stages_cuda_state_pinned_and_bit_exact(store_url: str) -> None:
+    """kvckpt.background_stager() on a GPU host: the staging copy is pinned host memory filled
+    by non-blocking copies on a side stream, reused across saves; each checkpoint holds the
+    state at staging even though the CUDA tensors change right after ``staging_completion``."""
+    import kvckpt
+
+    stager = kvckpt.background_stager()
+    live = gpu_state_dict()
+    try:
+        staged = stager.stage(live).result()
+        assert staged["big"].device.type == "cpu" and staged["big"].is_pinned()
+        for step in (1, 2):
+            expected = on_cpu(live)
+            response = dcp.async_save(
+                live,
+                storage_writer=KVStorageWriter(store_url),
+                checkpoint_id=f"step-{step}",
+                async_stager=stager,
+            )
+            response.staging_completion.result()
+            live["big"].add_(1.0)  # what the optimizer step does next
+            response.upload_completion.result()
+            out = zeros_on(expected, "cpu")
+            dcp.load(out, storage_reader=KVStorageReader(store_url, checkpoint_id=f"step-{step}"))
+            assert_bit_equal(out, expected)
+        again = stager.stage(live).result()
+        assert again["big"].data_ptr() == staged["big"].data_ptr()  # one staging copy
+    finally:
+        stager.close()
