@@ -468,7 +468,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.invert_yaxis()
     ax.set_xlabel("training time lost per failure, median (s)")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper right")
     goodput = [results["failure_free_seconds"] / r["seconds"] for r in runs.values()]
     gx.barh(names, goodput, color="#228833")
     gx.invert_yaxis()
