@@ -12,24 +12,22 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_benchmark_smoke_run(tmp_path) -> None:
-    out = tmp_path / "results"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/run.py",
-            "--size-mib",
-            "4",
-            "--repeats",
-            "1",
-            "--small-tensors",
-            "50",
-            "--out",
-            str(out),
-        ],
+def run_benchmark(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``benchmarks/<script>`` with this interpreter, from the repository root."""
+    return subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
+        timeout=timeout,
+    )
+
+
+def test_benchmark_smoke_run(tmp_path) -> None:
+    out = tmp_path / "results"
+    result = run_benchmark(
+        "run.py",
+        *("--size-mib", "4", "--repeats", "1", "--small-tensors", "50", "--out", str(out)),
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -58,17 +56,10 @@ def test_benchmark_smoke_run(tmp_path) -> None:
 
 
 def test_redis_ceiling_smoke_run() -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/redis_ceiling.py",
-            *("--size-mib", "4", "--part-mib", "1", "--repeats", "1"),
-            *("--io-threads", "1", "2", "--connections", "1", "2"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_benchmark(
+        "redis_ceiling.py",
+        *("--size-mib", "4", "--part-mib", "1", "--repeats", "1"),
+        *("--io-threads", "1", "2", "--connections", "1", "2"),
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
@@ -78,13 +69,7 @@ def test_redis_ceiling_smoke_run() -> None:
 def test_gpu_benchmark_without_a_gpu_says_so() -> None:
     import torch
 
-    result = subprocess.run(
-        [sys.executable, "benchmarks/gpu.py", "--size-mib", "4", "--repeats", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_benchmark("gpu.py", "--size-mib", "4", "--repeats", "1")
     if torch.cuda.is_available():
         assert result.returncode == 0, result.stderr[-3000:]
     else:
@@ -95,18 +80,12 @@ def test_goodput_smoke_run(tmp_path) -> None:
     """benchmarks/goodput.py end to end with a tiny model: interval calibration, time to first
     step, and a run with one SIGKILL per system, all reported (no timing asserted)."""
     out = tmp_path / "results"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/goodput.py",
-            *("--width", "32", "--layers", "1", "--steps", "2500", "--kills", "8"),
-            *("--calibrate-saves", "1", "--calibrate-warmup", "1", "--calibrate-every", "3"),
-            *("--repeats", "1", "--systems", "lmdb,tiers"),
-            *("--max-busy", "1", "--out", str(out)),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    result = run_benchmark(
+        "goodput.py",
+        *("--width", "32", "--layers", "1", "--steps", "2500", "--kills", "8"),
+        *("--calibrate-saves", "1", "--calibrate-warmup", "1", "--calibrate-every", "3"),
+        *("--repeats", "1", "--systems", "lmdb,tiers"),
+        *("--max-busy", "1", "--out", str(out)),
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
