@@ -410,7 +410,7 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> str:
 
     lines = [
         "| system | saves with | interval (steps) | overhead per save (s) "
-        "| blocking per save, median / max (s) | lost per failure (s) "
+        "| blocking per save, median / max (s) | lost per failure, median / max (s) "
         "| relaunch / restore / recompute (s) | lost, expected (s) | dcp.load (s) "
         "| lost / DCP disk, measured / expected | dcp.load / DCP disk | goodput |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -422,7 +422,8 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> str:
             f"| {NAMES[system]} | {MODES[r['mode']]} | {r['interval']} | "
             f"{cal[system]['overhead_per_save_seconds']:.2f} | "
             f"{r['blocking_median']:.3f} / {r['blocking_max']:.3f} | "
-            f"{median(system, 'lost'):.1f} | {median(system, 'relaunch'):.1f} / "
+            f"{median(system, 'lost'):.1f} / {max(f['lost'] for f in r['failures']):.1f} | "
+            f"{median(system, 'relaunch'):.1f} / "
             f"{median(system, 'restore'):.2f} / {median(system, 'recompute'):.1f} | "
             f"{expected(system):.1f} | {median(system, 'load'):.2f} | {lost} / {lost_expected} | "
             f"{versus(system, lambda s: median(s, 'load'))} | "
