@@ -49,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +89,6 @@ class Places:
     disk: Path
     server: RedisServer
     runs: int = 0
-    extra: list[str] = field(default_factory=list)
 
     def store_args(self, system: str) -> list[str]:
         local = self.shm / "local"
@@ -386,7 +385,7 @@ def wait_quiet(args: argparse.Namespace) -> None:
 # -- report ----------------------------------------------------------------------------------
 
 
-def table(results: dict[str, Any], args: argparse.Namespace) -> str:
+def table(results: dict[str, Any]) -> str:
     cal, runs, firsts = results["calibration"], results["failures"], results["first_step"]
     failure_free = results["failure_free_seconds"]
 
@@ -517,8 +516,7 @@ def main() -> None:
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         machine = data.pop("machine")
-        saved = argparse.Namespace(**data["args"])
-        write_report(args.out, "goodput", table(data, saved), machine, data)
+        write_report(args.out, "goodput", table(data), machine, data)
         chart(data, Path(args.out) / "goodput.png")
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the clean-up below runs
@@ -565,7 +563,7 @@ def main() -> None:
         f"kills at {', '.join(f'{k:g}' for k in args.kills)} s; failure-free time "
         f"{results['failure_free_seconds']:.1f} s; medians"
     )
-    text = table(results, args)
+    text = table(results)
     write_report(args.out, "goodput", text, machine, {"args": vars(args), **results})
     chart(results, Path(args.out) / "goodput.png")
 
