@@ -419,6 +419,10 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                 else:
                     self.engine.put_many(values())
             self.engine.sync_replicas()
+            self.engine.get_ready(
+                sum(wr.size_in_bytes for wr in results),
+                None if self.keep_last is None else self.keep_last + 1,
+            )
             if hash_in_engine:
                 results[:] = self._engine_checksums(results, digests)
             elif hash_pool is not None:

@@ -55,6 +55,28 @@ def test_benchmark_smoke_run(tmp_path) -> None:
     assert (out / "results.png").stat().st_size > 1000
 
 
+def test_job_benchmark_smoke_run(tmp_path) -> None:
+    """benchmarks/job.py: every system saves into a new store with retention, taking turns."""
+    out = tmp_path / "job"
+    result = run_benchmark(
+        "job.py", *("--size-mib", "8", "--saves", "3", "--gap", "0", "--out", str(out))
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    data = json.loads((out / "job.json").read_text())
+    assert [sc["keep_last"] for sc in data["scenarios"]] == [2, 1]
+    for scenario in data["scenarios"]:
+        assert set(scenario["systems"]) == {
+            "kvckpt LMDB",
+            "kvckpt Redis",
+            "kvckpt Tiers",
+            "raw-socket SET",
+            "DCP t=1",
+            "DCP t=2",
+        }
+        assert all(len(r["times_s"]) == 3 for r in scenario["systems"].values())
+    assert "LMDB p90 vs DCP t=2 p90" in (out / "job.md").read_text()
+
+
 def test_redis_ceiling_smoke_run() -> None:
     result = run_benchmark(
         "redis_ceiling.py",

@@ -219,6 +219,13 @@ class Engine(ABC):
     def preflight(self, nbytes: int) -> None:  # noqa: B027 - optional hook
         """Before a save writes ``nbytes``: raise if the store cannot take them safely."""
 
+    def get_ready(self, nbytes: int, copies: int | None) -> None:  # noqa: B027 - optional hook
+        """After a save wrote its ``nbytes`` (this rank's share): make room for the next save of
+        about that size while training runs, so that the next save does not pay for it. The
+        store will hold ``copies`` such saves at once (``keep_last + 1``), or keeps every save
+        (None). Returns at once; an engine does the work on a background thread (LMDB: sizes
+        its map once and faults in the pages the next saves will write)."""
+
     def value_sizes(self, keys: Sequence[str]) -> list[int | None]:
         """Each value's size in bytes (None if missing), without transferring values where the
         engine can."""

@@ -58,6 +58,21 @@ _populate_ok = sys.platform == "linux"
 #: 384 ms in two threads).
 _POPULATE_THREADS = 4
 _POPULATE_MIN_PIECE = 64 * _MIB
+#: A background fault-in (``get_ready``) maps this much at a time, checking between pieces
+#: whether a save needs to remap.
+_POPULATE_PIECE = 256 * _MIB
+
+
+def _page_up(n: int) -> int:
+    return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _ranks_on_node() -> int:
+    """How many ranks of this job share the node's store (torchrun's ``LOCAL_WORLD_SIZE``)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def _cpus() -> int:
@@ -67,13 +82,14 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _populate_write(data_file: str, offset: int, length: int) -> bool:
+def _populate_write(data_file: str, offset: int, length: int, threads: int = 0) -> bool:
     """Map ``length`` bytes of LMDB's writable memory map at ``offset`` into this process's
     page tables with ``madvise(MADV_POPULATE_WRITE)`` (split over a few threads) instead of
     one fault per page as LMDB writes. Where the file has holes there (a tmpfs file not
     ``fallocate``d), this allocates the pages too, and a filesystem without room makes it fail
     with EFAULT, not SIGBUS. True if every page is allocated and mapped; False if not (other
-    systems, old kernels, no room, anything off), and then LMDB's writes fault pages in."""
+    systems, old kernels, no room, anything off), and then LMDB's writes fault pages in.
+    ``threads``: how many threads share the work (0: as many as pay off here)."""
     global _populate_ok
     if not _populate_ok:
         return False
@@ -92,7 +108,7 @@ def _populate_write(data_file: str, offset: int, length: int) -> bool:
             return False
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        n = max(1, min(_POPULATE_THREADS, _cpus(), length // _POPULATE_MIN_PIECE))
+        n = threads or max(1, min(_POPULATE_THREADS, _cpus(), length // _POPULATE_MIN_PIECE))
         page = mmap.PAGESIZE
         piece = -(-length // n // page) * page
         errnos: list[int] = []
@@ -172,9 +188,17 @@ class _SharedEnv:
         # Serializes this process's writers.
         self.write_lock = threading.Lock()
         # set_mapsize remaps the file: no read transaction of this process may be open then,
-        # or its zero-copy views would point at unmapped memory. Readers count themselves here.
+        # or its zero-copy views would point at unmapped memory. Readers count themselves here,
+        # and so does a background fault-in (``get_ready``) while it works on the mapping.
         self._readers = 0
+        self._populating = 0
         self._cond = threading.Condition()
+        #: The first ``populated`` bytes of the file are mapped in this process's page tables
+        #: (``MADV_POPULATE_WRITE``): writes there fault nothing. A remap resets it to 0.
+        self.populated = 0
+        #: Bumped by every remap and by close: a background fault-in started before it stops.
+        self.generation = 0
+        self.populator: threading.Thread | None = None
 
     @contextmanager
     def reading(self) -> Iterator[None]:
@@ -187,10 +211,36 @@ class _SharedEnv:
                 self._readers -= 1
                 self._cond.notify_all()
 
+    @contextmanager
+    def populating(self, generation: int) -> Iterator[bool]:
+        """Hold off remaps while a background fault-in works on the mapping; yields False (do
+        nothing) if the map was remapped or closed since ``generation``."""
+        with self._cond:
+            if generation != self.generation:
+                yield False
+                return
+            self._populating += 1
+        try:
+            yield True
+        finally:
+            with self._cond:
+                self._populating -= 1
+                self._cond.notify_all()
+
     def set_mapsize(self, size: int) -> None:
         with self._cond:
-            self._cond.wait_for(lambda: self._readers == 0)
+            self.generation += 1  # a background fault-in stops after its current piece
+            self._cond.wait_for(lambda: self._readers == 0 and self._populating == 0)
             self.env.set_mapsize(size)
+            # A remap is a new mapping: none of its pages are in the page tables yet.
+            self.populated = 0
+
+    def close(self) -> None:
+        with self._cond:
+            self.generation += 1
+            self._cond.wait_for(lambda: self._populating == 0)
+        with contextlib.suppress(lmdb.Error):
+            self.env.close()
 
     @classmethod
     def acquire(cls, path: str, create: bool, **kwargs: Any) -> _SharedEnv:
@@ -208,7 +258,7 @@ class _SharedEnv:
                 del cls._envs[key]
                 cls._idle.pop(key, None)
                 if shared.refs == 0:
-                    shared.env.close()
+                    shared.close()
                 shared = None
             if shared is None:
                 if create:
@@ -263,14 +313,13 @@ class _SharedEnv:
             if shared.refs > 0:
                 return
             if cls._envs.get(key) is not shared:
-                with contextlib.suppress(lmdb.Error):
-                    shared.env.close()
+                shared.close()
                 return
             cls._idle[key] = None
             while len(cls._idle) > _KEEP_IDLE:
                 oldest = next(iter(cls._idle))
                 del cls._idle[oldest]
-                cls._envs.pop(oldest).env.close()
+                cls._envs.pop(oldest).close()
 
     @classmethod
     def close_idle(cls, path: str | None = None) -> None:
@@ -280,7 +329,7 @@ class _SharedEnv:
             for key in list(cls._idle):
                 if real is None or key[1] == real:
                     del cls._idle[key]
-                    cls._envs.pop(key).env.close()
+                    cls._envs.pop(key).close()
 
 
 class LMDBEngine(Engine):
@@ -407,6 +456,60 @@ class LMDBEngine(Engine):
             new = max(2 * want, 2 * map_size)
             shared.set_mapsize(-(-new // _GIB) * _GIB if new > _GIB else new)
 
+    def get_ready(self, nbytes: int, copies: int | None) -> None:
+        """Make the next save of about ``nbytes`` write into memory that is already allocated and
+        mapped, by doing now, on a background thread while training runs, what that save would
+        otherwise do on its own path: fault pages in.
+
+        After the first save, the map is sized for every save the store will hold
+        (``copies * nbytes``, times the ranks of this node) in one step, so later saves never
+        remap (a remap drops every page from the process's page tables: a save after it took
+        3x its steady time re-faulting pages that were already there). Then the pages up to
+        that size, plus some room for LMDB to grow into when it cannot find a long enough run
+        of freed pages, are mapped in with ``MADV_POPULATE_WRITE``, 256 MiB at a time; pages
+        already mapped cost nothing. Only on a tmpfs with room to spare (where a new page costs
+        a host allocation and zeroing); elsewhere the save's own ``_preallocate`` does it.
+        """
+        if not (self._options["writemap"] and self._tmpfs and _populate_ok and nbytes > 0):
+            return
+        shared = self._env
+        node = nbytes * _ranks_on_node()
+        slack = node // 8 + 64 * _MIB
+        with shared.write_lock:
+            end, free, map_size = self._space(shared)
+            if copies is None:
+                target = end + max(0, node - free) + slack
+            else:
+                target = max(copies * node, end) + slack
+            if target > map_size:
+                # One step, with room: each remap costs every later save its page mappings.
+                shared.set_mapsize(-(-2 * target // _GIB) * _GIB)
+            target = _page_up(min(target, shared.env.info()["map_size"]))
+            if shared.populated >= target:
+                return
+            room = self._free_bytes()
+            if room is None or room < 2 * max(0, target - end):
+                return  # no room to spare: leave the last of the filesystem to the saves
+            if shared.populator is not None and shared.populator.is_alive():
+                return  # one at a time; the next save's get_ready carries on
+            shared.populator = threading.Thread(
+                target=self._populate_upto,
+                args=(shared, target, shared.generation),
+                name="kvckpt-lmdb-get-ready",
+                daemon=True,
+            )
+            shared.populator.start()
+
+    def _populate_upto(self, shared: _SharedEnv, target: int, generation: int) -> None:
+        data_file = os.path.join(self.path, "data.mdb")
+        while shared.populated < target:
+            at = shared.populated
+            size = min(_POPULATE_PIECE, target - at)
+            with shared.populating(generation) as current:
+                if not current or not _populate_write(data_file, at, size):
+                    return
+                shared.populated = max(shared.populated, at + size)
+
     def _preallocate(self, shared: _SharedEnv, nbytes: int) -> None:
         """Allocate, in the kernel, the file pages LMDB will take from the end of the file.
 
@@ -431,8 +534,8 @@ class LMDBEngine(Engine):
         start, free, map_size = self._space(shared)
         # The values plus LMDB's own pages (branch pages, page headers, the free list).
         length = min(nbytes + nbytes // 16 + _MIB - free, map_size - start)
-        if length <= 0:
-            return
+        if length <= 0 or shared.populated >= start + length:
+            return  # enough free pages, or get_ready mapped these in already
         data_file = os.path.join(self.path, "data.mdb")
         big = nbytes >= _POPULATE_MIN_PIECE
         # (with room to spare, so that the last room on a filesystem goes through fallocate,
@@ -443,6 +546,8 @@ class LMDBEngine(Engine):
             and (self._free_bytes() or 0) >= 2 * length
             and _populate_write(data_file, start, length)
         ):
+            if shared.populated >= start:  # (madvise maps whole pages)
+                shared.populated = max(shared.populated, _page_up(start + length))
             return
         try:
             fd = os.open(data_file, os.O_RDWR)

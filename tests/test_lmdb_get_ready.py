@@ -1,0 +1,168 @@
+"""An LMDB store gets ready for the next save while training runs (``Engine.get_ready``).
+
+After a save, the engine sizes its map once for every save ``keep_last`` keeps and faults the
+next saves' pages in on a background thread, so the saves after the first neither remap nor
+fault. These tests check the mechanics on a real tmpfs (timings belong to benchmarks/job.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from kvckpt import KVStorageReader, KVStorageWriter, latest_checkpoint
+from kvckpt.engines import lmdb as lmdb_engine
+from kvckpt.engines.lmdb import LMDBEngine, _SharedEnv, close_idle_environments
+
+MIB = 1 << 20
+
+pytestmark = pytest.mark.skipif(
+    not lmdb_engine._populate_ok or not Path("/dev/shm").is_dir(), reason="needs Linux tmpfs"
+)
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> Iterator[Path]:
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="kvckpt-test-ready-", dir="/dev/shm"))
+    if not lmdb_engine._on_tmpfs(str(d)):
+        pytest.skip("/dev/shm is not a tmpfs here")
+    try:
+        yield d
+    finally:
+        close_idle_environments()
+        subprocess.run(["rm", "-rf", str(d)], check=False)
+
+
+def state(mib: int, value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((mib * MIB // 4,), value), "b": torch.arange(10.0) + value}
+
+
+def shared_env(path: Path) -> _SharedEnv:
+    return _SharedEnv._envs[(os.getpid(), os.path.realpath(path))]
+
+
+def wait_populated(shared: _SharedEnv) -> None:
+    if shared.populator is not None:
+        shared.populator.join(60)
+        assert not shared.populator.is_alive()
+
+
+def test_after_the_first_save_the_map_is_sized_once_and_later_saves_never_remap(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"lmdb://{shm_dir}/store"
+    dcp.save(state(64, 0.0), storage_writer=KVStorageWriter(url, keep_last=2), checkpoint_id="s0")
+    shared = shared_env(shm_dir / "store")
+    wait_populated(shared)
+    # Room for three saves (keep_last + 1) and slack, mapped in this process already.
+    assert shared.env.info()["map_size"] >= 3 * 64 * MIB
+    assert shared.populated >= 3 * 64 * MIB
+
+    remaps: list[int] = []
+    set_mapsize = _SharedEnv.set_mapsize
+    monkeypatch.setattr(
+        _SharedEnv, "set_mapsize", lambda self, size: (remaps.append(size), set_mapsize(self, size))
+    )
+    for i in range(1, 7):
+        writer = KVStorageWriter(url, keep_last=2)
+        dcp.save(state(64, float(i)), storage_writer=writer, checkpoint_id=f"s{i}")
+        wait_populated(shared)
+    assert remaps == []
+    assert lmdb_engine._populate_ok  # no fault-in failed on the way
+    assert latest_checkpoint(url) == "s6"
+    out = state(64, -1.0)
+    dcp.load(out, storage_reader=KVStorageReader(url, checkpoint_id="s6"))
+    assert torch.equal(out["w"], state(64, 6.0)["w"]) and torch.equal(out["b"], state(64, 6.0)["b"])
+
+
+def test_a_remap_stops_a_background_fault_in_and_forgets_what_was_mapped(shm_dir: Path) -> None:
+    url = f"lmdb://{shm_dir}/store"
+    dcp.save(state(8, 1.0), storage_writer=KVStorageWriter(url), checkpoint_id="a")
+    shared = shared_env(shm_dir / "store")
+    wait_populated(shared)
+    assert shared.populated > 0
+    generation = shared.generation
+    shared.set_mapsize(shared.env.info()["map_size"] * 2)
+    assert shared.populated == 0 and shared.generation > generation
+    with shared.populating(generation) as current:
+        assert not current  # a fault-in begun before the remap does nothing more
+    out = state(8, 0.0)
+    dcp.load(out, storage_reader=KVStorageReader(url, checkpoint_id="a"))
+    assert torch.equal(out["w"], state(8, 1.0)["w"])
+
+
+def test_closing_while_faulting_in_waits_for_it(shm_dir: Path) -> None:
+    engine = LMDBEngine(str(shm_dir / "store"))
+    engine.put_many([("k", b"v" * 1000)])
+    engine.get_ready(512 * MIB, 3)  # ~1.6 GiB to fault in: still running when we close
+    shared = engine._env
+    populator = shared.populator
+    engine.close()
+    close_idle_environments()
+    assert populator is None or not populator.is_alive()
+    # The store is intact and opens again.
+    assert LMDBEngine(str(shm_dir / "store"), create=False).get("k") == b"v" * 1000
+
+
+def test_no_room_to_spare_means_no_fault_in(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = LMDBEngine(str(shm_dir / "store"))
+    engine.put_many([("k", b"v")])
+    monkeypatch.setattr(LMDBEngine, "_free_bytes", lambda self: 10 * MIB)
+    engine.get_ready(64 * MIB, 3)
+    shared = engine._env
+    assert shared.populator is None
+    engine.close()
+
+
+def test_only_tmpfs_stores_fault_in_ahead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = LMDBEngine(str(tmp_path / "store"))
+    engine.put_many([("k", b"v")])
+    monkeypatch.setattr(LMDBEngine, "_tmpfs", False)
+    engine.get_ready(64 * MIB, 3)
+    assert engine._env.populator is None
+    engine.close()
+
+
+FORK_WHILE_FAULTING_IN = """
+import os, sys, torch, torch.distributed.checkpoint as dcp
+from kvckpt import KVStorageWriter, latest_checkpoint
+from kvckpt.engines.lmdb import LMDBEngine
+url = "lmdb://" + sys.argv[1]
+dcp.save({"w": torch.ones(1 << 20)}, storage_writer=KVStorageWriter(url), checkpoint_id="parent")
+LMDBEngine(sys.argv[1]).get_ready(512 << 20, 3)   # a long background fault-in
+pid = os.fork()
+if pid == 0:  # e.g. Megatron's async checkpoint process: it opens the store and writes
+    engine = LMDBEngine(sys.argv[1])
+    engine.put_many([("child", b"x" * (8 << 20))])
+    os._exit(0 if engine.get("child") == b"x" * (8 << 20) else 1)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), latest_checkpoint(url))
+"""
+
+
+def test_a_process_forked_during_a_fault_in_can_save(shm_dir: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_WHILE_FAULTING_IN, str(shm_dir / "store")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["0", "parent"]
+
+
+def test_get_ready_is_a_no_op_for_other_engines() -> None:
+    from kvckpt.engines.base import Engine
+
+    assert Engine.get_ready is not LMDBEngine.get_ready
+    assert threading.active_count() >= 1  # nothing to run: the base hook returns at once
