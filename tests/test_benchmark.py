@@ -59,7 +59,19 @@ def test_job_benchmark_smoke_run(tmp_path) -> None:
     """benchmarks/job.py: every system saves into a new store with retention, taking turns."""
     out = tmp_path / "job"
     result = run_benchmark(
-        "job.py", *("--size-mib", "8", "--saves", "3", "--gap", "0", "--out", str(out))
+        "job.py",
+        *(
+            "--size-mib",
+            "8",
+            "--saves",
+            "3",
+            "--gap",
+            "0",
+            "--first-rounds",
+            "1",
+            "--out",
+            str(out),
+        ),
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     data = json.loads((out / "job.json").read_text())
