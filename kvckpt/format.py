@@ -90,6 +90,17 @@ def data_prefix(prefix: str, checkpoint_id: str | None = None, save_id: str | No
     return key
 
 
+def spare_prefix(prefix: str) -> str:
+    return f"{prefix}/spare/"
+
+
+def spare_key(prefix: str, data_key: str) -> str:
+    """Where retention keeps a deleted checkpoint's value for the next save to overwrite in
+    place (engines with ``reuses_values``): ``<prefix>/spare/<rank>/<n>/<part>``, the value's
+    place in a rank's save plan, which the same state dict gives the same size every save."""
+    return spare_prefix(prefix) + "/".join(data_key.rsplit("/", 3)[-3:])
+
+
 def checksum(data: memoryview | bytes) -> int:
     """The checksum of one value (one part of an item)."""
     return xxhash.xxh3_64_intdigest(data)

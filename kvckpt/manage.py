@@ -27,7 +27,7 @@ from .catalog import (
 )
 from .engines.base import Engine
 from .errors import CheckpointNotFoundError, MetadataError
-from .format import data_prefix, decode_data_keys, meta_key
+from .format import data_prefix, decode_data_keys, meta_key, spare_key, spare_prefix
 from .urls import open_store, validate_name
 
 
@@ -174,10 +174,13 @@ def _checkpoint_meta_keys(engine: Engine, index: Index, checkpoint_id: str) -> l
     return sorted(keys)
 
 
-def delete_checkpoint(store: str | Engine, checkpoint_id: str) -> int:
+def delete_checkpoint(store: str | Engine, checkpoint_id: str, *, reuse: bool = False) -> int:
     """Delete a checkpoint: its metadata and index entry first, atomically, so readers see it
     gone at once; then its data keys in bounded batches (``UNLINK`` on Redis, so the server
-    never blocks on a big delete). Returns the number of data keys deleted."""
+    never blocks on a big delete). Returns the number of data keys deleted.
+
+    ``reuse`` (retention's deletes): an engine that ``reuses_values`` keeps the data as spares
+    for the next save to write over (``Engine.retire_values``) instead of freeing it."""
     engine = _engine(store)
     validate_name(checkpoint_id)
     keys = _checkpoint_meta_keys(engine, read_index(engine), checkpoint_id)
@@ -221,7 +224,10 @@ def delete_checkpoint(store: str | Engine, checkpoint_id: str) -> int:
         except MetadataError:
             deleted += engine.delete_prefix(data_prefix(engine.prefix, checkpoint_id))
             continue
-        deleted += engine.delete(data_keys)
+        if reuse and engine.reuses_values:
+            deleted += engine.retire_values([(k, spare_key(engine.prefix, k)) for k in data_keys])
+        else:
+            deleted += engine.delete(data_keys)
     return deleted
 
 
@@ -237,6 +243,7 @@ def gc(
     incomplete_older_than: float | _dt.timedelta = 3600.0,
     protect: Iterable[str] = (),
     scan_orphans: bool = True,
+    reuse: bool = False,
 ) -> GcReport:
     """Remove old checkpoints and the data of saves that never committed.
 
@@ -245,7 +252,9 @@ def gc(
     - Saves that started more than ``incomplete_older_than`` ago (seconds or a timedelta) and
       never committed — a writer that crashed — have their data deleted.
     - ``scan_orphans``: one pass over every data key of the namespace deletes data that no
-      checkpoint and no save in progress refers to.
+      checkpoint and no save in progress refers to, and the spares retention kept for reuse.
+    - ``reuse``: ``keep_last``'s deletes keep the data as spares for the next save to write
+      over, where the engine can (a writer's ``keep_last``; see ``delete_checkpoint``).
 
     A corrupt or missing index is rebuilt from the metadata keys first.
     """
@@ -267,7 +276,7 @@ def gc(
             if info.checkpoint_id in protected:
                 continue
             try:
-                report.deleted_keys += delete_checkpoint(engine, info.checkpoint_id)
+                report.deleted_keys += delete_checkpoint(engine, info.checkpoint_id, reuse=reuse)
                 report.deleted_checkpoints.append(info.checkpoint_id)
             except CheckpointNotFoundError:
                 pass  # deleted concurrently
@@ -317,7 +326,15 @@ def gc(
             if save not in live:
                 report.deleted_keys += engine.delete(keys)
                 report.removed_incomplete.append(f"{save[0]}/{save[1]} (orphaned)")
+        if engine.reuses_values:  # spares are no checkpoint's data: not counted
+            engine.delete_prefix(spare_prefix(engine.prefix))
     return report
+
+
+def spare_bytes(engine: Engine) -> int:
+    """Bytes of the spares retention keeps for the next save to write over (``reuse``)."""
+    spares = list(engine.scan(spare_prefix(engine.prefix)))
+    return sum(n or 0 for n in engine.value_sizes(spares))
 
 
 def _drop_save_data(engine: Engine, checkpoint_id: str, save_id: str, rank: int | None) -> int:

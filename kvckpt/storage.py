@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import io
 import logging
 import os
@@ -59,6 +60,7 @@ from .errors import (
     InvalidCheckpointIdError,
     KVCheckpointError,
     MetadataError,
+    StoreFullError,
     StoreUnavailableError,
     UnsafeObjectError,
 )
@@ -73,8 +75,9 @@ from .format import (
     new_checksum,
     parse_meta_key,
     part_ranges,
+    spare_key,
 )
-from .manage import NEVER, discard_save, gc
+from .manage import NEVER, discard_save, gc, spare_bytes
 from .staging import accelerator_available, advise_huge_pages
 from .urls import open_store, validate_name
 
@@ -410,14 +413,28 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
         hash_pool = ThreadPoolExecutor(1) if self.checksums and not hash_in_engine else None
         try:
             if preflight is not None:
-                preflight(sum(_planned_bytes(item) for item in plan.items))
+                planned = sum(_planned_bytes(item) for item in plan.items)
+                try:
+                    preflight(planned)
+                except StoreFullError:
+                    if not self.engine.reuses_values:
+                        raise
+                    # The spares retention kept are memory this save writes over, not adds to.
+                    preflight(max(0, planned - spare_bytes(self.engine)))
+            # Where the engine keeps retired values as spares, each value is written over the
+            # spare of the value at its place in an earlier save (same rank, item and part).
+            reuse = (
+                {"spare_of": functools.partial(spare_key, prefix)}
+                if self.engine.reuses_values
+                else {}
+            )
             with gc_paused():
                 if hash_in_engine:
                     self.engine.put_many(
-                        values(), on_value=digests.__setitem__, hasher=new_checksum
+                        values(), on_value=digests.__setitem__, hasher=new_checksum, **reuse
                     )
                 else:
-                    self.engine.put_many(values())
+                    self.engine.put_many(values(), **reuse)
             self.engine.sync_replicas()
             self.engine.get_ready(
                 sum(wr.size_in_bytes for wr in results),
@@ -532,6 +549,7 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                 protect=self._protected(checkpoint_id),
                 incomplete_older_than=NEVER,
                 scan_orphans=False,
+                reuse=True,
             )
 
     def _world_size(self, results: list[list[WriteResult]]) -> int:

@@ -43,6 +43,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ from torch.futures import Future as TorchFuture
 from .catalog import hold_read_lease, mark_pending, publish, read_lease
 from .engines.base import Engine
 from .errors import KVCheckpointError, ReplicationError
-from .format import ItemLocation, part_ranges
+from .format import ItemLocation, part_ranges, spare_key
 from .manage import NEVER, discard_save, gc, list_checkpoints
 from .storage import KVStorageReader, KVStorageWriter, _PlanData
 from .transfer import DirectoryReader, export_checkpoint
@@ -301,6 +302,7 @@ class Tiers:
                         protect=[checkpoint_id],
                         incomplete_older_than=NEVER,
                         scan_orphans=False,
+                        reuse=True,
                     )
                 source = dst
             except KVCheckpointError as e:
@@ -585,8 +587,11 @@ def copy_values(
                     f"{n} bytes, expected {view.nbytes} (deleted meanwhile?)"
                 )
         for t, dst in enumerate(dsts):
+            # over the spares of the checkpoint the replica's retention dropped, where it can
+            reuse = {"spare_of": partial(spare_key, dst.prefix)} if dst.reuses_values else {}
             dst.put_many(
-                (dst_keys[t], view) for (_, dst_keys, _), view in zip(batch, views, strict=True)
+                ((dst_keys[t], view) for (_, dst_keys, _), view in zip(batch, views, strict=True)),
+                **reuse,
             )
         start = stop
         renew()

@@ -107,6 +107,9 @@ class Engine(ABC):
     - ``zero_copy_reads``: whether ``get_many`` hands out views of the store's own memory. A
       value bound for a GPU is then copied there straight from the store; without it, it is
       read into a host buffer through ``get_into`` (a socket's fast path) and copied from there.
+    - ``reuses_values``: whether ``retire_values`` keeps retired values under spare names and
+      ``put_many`` takes ``spare_of`` and writes into a spare's memory in place (Redis: fresh
+      server memory is what makes a save slow).
     - ``hashes_while_writing``: whether ``put_many`` takes ``on_value`` and ``hasher`` and hashes
       each value as it sends it. Saves that record checksums then leave the hashing to the
       engine; without it they hash on a worker thread, which costs a second pass over memory
@@ -118,6 +121,7 @@ class Engine(ABC):
     supports_ttl: bool = False
     checksums_by_default: bool = False
     zero_copy_reads: bool = False
+    reuses_values: bool = False
     hashes_while_writing: bool = False
 
     @property
@@ -240,6 +244,13 @@ class Engine(ABC):
     def delete_prefix(self, prefix: str) -> int:
         """Delete every key starting with ``prefix``."""
         return self.delete(self.scan(prefix))
+
+    def retire_values(self, keys: Sequence[tuple[str, str]]) -> int:
+        """Remove values that no checkpoint refers to any more (retention's deletes), given as
+        (key, spare name) pairs. An engine that ``reuses_values`` keeps each under its spare
+        name for a while instead, for the next save to overwrite in place; the others delete
+        them. Returns the number of keys removed."""
+        return self.delete(key for key, _ in keys)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections or file handles. The engine may be reopened by using it again."""

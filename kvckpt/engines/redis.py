@@ -53,6 +53,10 @@ REDIS_MAX_VALUE = 512 * _MIB
 _COALESCE_BELOW = 64 * 1024
 _MAX_PIPELINE_KEYS = 4096
 DEFAULT_READ_AHEAD = 16 * _MIB
+#: Seconds a retired value waits as a spare for a save to write over it (URL ``spare_ttl``).
+DEFAULT_SPARE_TTL = 900.0
+#: Values smaller than this are written with a plain SET: a fresh allocation costs little there.
+_REUSE_FROM = 64 * 1024
 _DELETE_BATCH = 1000
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
@@ -119,7 +123,9 @@ class RedisEngine(Engine):
     writes), ``read_ahead_bytes`` (bytes of GET replies requested ahead of the one being read,
     default 16MiB), ``allow_eviction`` (accept an evicting ``maxmemory-policy``),
     ``wait_replicas`` and ``wait_timeout`` (a save's data and its commit count only once that
-    many replicas have acknowledged them, ``WAIT``; default 0 replicas, 10 s).
+    many replicas have acknowledged them, ``WAIT``; default 0 replicas, 10 s), ``spare_ttl``
+    (seconds that retention keeps a deleted checkpoint's values as spares for the next save to
+    overwrite in place, default 900; 0 deletes them at once).
     Every other query option goes to redis-py (``ssl_ca_certs``, ``socket_timeout``, ...).
     """
 
@@ -143,8 +149,13 @@ class RedisEngine(Engine):
         wait_replicas: int = 0,
         wait_timeout: float = 10.0,
         read_ahead_bytes: int = DEFAULT_READ_AHEAD,
+        spare_ttl: float = DEFAULT_SPARE_TTL,
     ) -> None:
         check_redis_options(url, part_bytes, wait_replicas, wait_timeout, read_ahead_bytes)
+        if spare_ttl < 0:
+            raise InvalidURLError(
+                f"spare_ttl={spare_ttl:g} in {mask_url(url)} must be >= 0 seconds (0: no spares)"
+            )
         self._raw_url = url
         self._redis_url = redis_url or url
         self._prefix = validate_prefix(prefix)
@@ -154,6 +165,10 @@ class RedisEngine(Engine):
         self.allow_eviction = allow_eviction
         self.wait_replicas = wait_replicas
         self.wait_timeout = wait_timeout
+        self.spare_ttl = spare_ttl
+        #: A new value written over a spare's memory skips the server's allocation of fresh
+        #: pages, the slow part of a save into Redis on a VM (2x, benchmarks/job.py).
+        self.reuses_values = spare_ttl > 0
         self._client_obj: redis.Redis | None = None
         parts = split_options(self._redis_url)[0]
         if parts.scheme == "unix":
@@ -175,6 +190,7 @@ class RedisEngine(Engine):
         except ValueError:
             raise InvalidURLError(f"Redis URL {mask_url(url)} has an invalid port") from None
         ours = take_redis_options(opts, url)
+        ours["spare_ttl"] = take_option(opts, "spare_ttl", url, float, DEFAULT_SPARE_TTL)
         opts.setdefault("socket_connect_timeout", "10")
         opts.setdefault("socket_timeout", "300")
         query = "&".join(f"{k}={v}" for k, v in opts.items())
@@ -203,6 +219,7 @@ class RedisEngine(Engine):
                 self.wait_replicas,
                 self.wait_timeout,
                 self.read_ahead_bytes,
+                self.spare_ttl,
             ),
         )
 
@@ -242,12 +259,19 @@ class RedisEngine(Engine):
         items: Iterable[tuple[str, BytesLike]],
         on_value: ValueCallback | None = None,
         hasher: Callable[[], Hasher] | None = None,
+        spare_of: Callable[[str], str] | None = None,
     ) -> None:
+        """SET each value, pipelined, sent straight from the caller's memory. With
+        ``spare_of`` (key -> spare name, see ``retire_values``), a large value takes its spare
+        over instead where there is one (``RENAME``, ``PERSIST``) and is written into the
+        spare's memory (``SETRANGE key 0``); a spare of another size is replaced by a SET."""
+        spare_of = spare_of if self.reuses_values else None
+
         def work(conn: Any) -> None:
             pieces: list[BytesLike] = []
             hashed: dict[int, int] = {}  # position in pieces -> value index, hashed as sent
             small = bytearray()
-            sent: list[tuple[str, int]] = []
+            sent: list[tuple[str, memoryview, bool]] = []
             batch_bytes = 0
 
             def stream() -> Iterator[BytesLike]:
@@ -260,31 +284,69 @@ class RedisEngine(Engine):
                         yield from hashed_pieces(memoryview(piece), h)
                         on_value(i, h.intdigest())  # type: ignore[misc]
 
+            def reply(key: str, size: int) -> Any:
+                try:
+                    return conn.read_response()
+                except redis.ResponseError as e:
+                    if isinstance(e, redis.exceptions.OutOfMemoryError) or str(e).startswith("OOM"):
+                        raise self._out_of_memory(e, key, size) from None
+                    raise
+
             def send_batch() -> None:
                 if pieces:
                     conn.send_packed_command(stream() if hashed else pieces, check_health=False)
-                for key, size in sent:
-                    try:
-                        conn.read_response()
-                    except redis.ResponseError as e:
-                        if isinstance(e, redis.exceptions.OutOfMemoryError) or str(e).startswith(
-                            "OOM"
-                        ):
-                            raise self._out_of_memory(e, key, size) from None
-                        raise
+                resend: list[tuple[str, memoryview]] = []
+                for key, view, reused in sent:
+                    if reused:
+                        try:
+                            conn.read_response()  # RENAME: "no such key" when there is no spare
+                        except redis.ResponseError as e:
+                            if "no such key" not in str(e).lower():
+                                raise
+                        conn.read_response()  # PERSIST
+                        if reply(key, view.nbytes) != view.nbytes:  # SETRANGE: the new length
+                            resend.append((key, view))  # the spare was longer
+                    else:
+                        reply(key, view.nbytes)
+                for key, view in resend:
+                    k = key.encode()
+                    header = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, view.nbytes)
+                    conn.send_packed_command([header, view, b"\r\n"], check_health=False)
+                    reply(key, view.nbytes)
 
             def flush() -> None:
                 nonlocal small, sent, batch_bytes, pieces, hashed
                 if small:
                     pieces.append(small)
-                # SET is idempotent: a batch cut by a dropped connection is sent again.
+                # SET (and RENAME-if-there, SETRANGE) is idempotent: a batch cut by a dropped
+                # connection is sent again.
                 _retry(conn, send_batch)
                 pieces, hashed, small, sent, batch_bytes = [], {}, bytearray(), [], 0
 
             for i, (key, value) in enumerate(items):
                 view = memoryview(value)
                 k = key.encode()
-                small += b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, view.nbytes)
+                reuse = spare_of is not None and view.nbytes >= _REUSE_FROM
+                if reuse:
+                    spare = spare_of(key).encode()  # type: ignore[misc]
+                    small += b"*3\r\n$6\r\nRENAME\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+                        len(spare),
+                        spare,
+                        len(k),
+                        k,
+                    )
+                    small += b"*2\r\n$7\r\nPERSIST\r\n$%d\r\n%s\r\n" % (len(k), k)
+                    small += b"*4\r\n$8\r\nSETRANGE\r\n$%d\r\n%s\r\n$1\r\n0\r\n$%d\r\n" % (
+                        len(k),
+                        k,
+                        view.nbytes,
+                    )
+                else:
+                    small += b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+                        len(k),
+                        k,
+                        view.nbytes,
+                    )
                 if view.nbytes < _COALESCE_BELOW:
                     small += view
                     if hasher is not None and on_value is not None:
@@ -298,7 +360,7 @@ class RedisEngine(Engine):
                     pieces.append(view)  # sent straight from the caller's memory
                     small = bytearray()
                 small += b"\r\n"
-                sent.append((key, view.nbytes))
+                sent.append((key, view, reuse))
                 batch_bytes += view.nbytes
                 if batch_bytes >= self.pipeline_bytes or len(sent) >= _MAX_PIPELINE_KEYS:
                     flush()
@@ -389,6 +451,29 @@ class RedisEngine(Engine):
         if batch:
             deleted += self._client.unlink(*batch)
         return deleted
+
+    @_translate_errors
+    def retire_values(self, keys: Sequence[tuple[str, str]]) -> int:
+        """Keep each retired value under its spare name for ``spare_ttl`` seconds (``RENAME``
+        replaces an older spare of that name; the key's memory is not touched), or delete them
+        with ``spare_ttl=0``."""
+        if not self.reuses_values:
+            return self.delete(key for key, _ in keys)
+        removed = 0
+        ttl_ms = max(1, int(self.spare_ttl * 1000))
+        for start in range(0, len(keys), _DELETE_BATCH):
+            pipe = self._client.pipeline(transaction=False)
+            for key, spare in keys[start : start + _DELETE_BATCH]:
+                pipe.rename(key, spare)
+                pipe.pexpire(spare, ttl_ms)
+            replies = pipe.execute(raise_on_error=False)
+            for renamed in replies[::2]:
+                if isinstance(renamed, redis.ResponseError):
+                    if "no such key" not in str(renamed).lower():
+                        raise renamed
+                else:
+                    removed += 1
+        return removed
 
     @_translate_errors
     def transact(self, watch: Sequence[str], update: Update) -> None:
@@ -673,6 +758,7 @@ def _rebuild(
     wait_replicas: int = 0,
     wait_timeout: float = 10.0,
     read_ahead_bytes: int = DEFAULT_READ_AHEAD,
+    spare_ttl: float = 0.0,
 ) -> RedisEngine:
     return RedisEngine(
         raw_url,
@@ -684,4 +770,5 @@ def _rebuild(
         wait_replicas=wait_replicas,
         wait_timeout=wait_timeout,
         read_ahead_bytes=read_ahead_bytes,
+        spare_ttl=spare_ttl,
     )

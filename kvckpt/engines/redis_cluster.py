@@ -225,6 +225,7 @@ class RedisClusterEngine(Engine):
                 allow_eviction=self.allow_eviction,
                 wait_replicas=self.wait_replicas,
                 wait_timeout=self.wait_timeout,
+                spare_ttl=0,  # a spare's name hashes to another slot than its key's: no reuse
             )
             self._nodes[node.name] = engine
         return engine
