@@ -95,6 +95,11 @@ def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
+def _no_such_key(error: redis.ResponseError) -> bool:
+    """RENAME's reply when its source is gone: no spare to take over, or already taken."""
+    return "no such key" in str(error).lower()
+
+
 def check_redis_options(
     url: str, part_bytes: int, wait_replicas: int, wait_timeout: float, read_ahead_bytes: int
 ) -> None:
@@ -301,7 +306,7 @@ class RedisEngine(Engine):
                         try:
                             conn.read_response()  # RENAME: "no such key" when there is no spare
                         except redis.ResponseError as e:
-                            if "no such key" not in str(e).lower():
+                            if not _no_such_key(e):
                                 raise
                         conn.read_response()  # PERSIST
                         if reply(key, view.nbytes) != view.nbytes:  # SETRANGE: the new length
@@ -469,7 +474,7 @@ class RedisEngine(Engine):
             replies = pipe.execute(raise_on_error=False)
             for renamed in replies[::2]:
                 if isinstance(renamed, redis.ResponseError):
-                    if "no such key" not in str(renamed).lower():
+                    if not _no_such_key(renamed):
                         raise renamed
                 else:
                     removed += 1
