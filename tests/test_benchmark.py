@@ -100,6 +100,16 @@ def test_redis_ceiling_smoke_run() -> None:
     assert len(rows) == 1 + 8  # header + io-threads x connections x read-ahead (16, all)
 
 
+def test_redis_ceiling_ranks_smoke_run() -> None:
+    result = run_benchmark(
+        "redis_ceiling.py",
+        *("--ranks", "2", "--size-mib", "4", "--part-mib", "1", "--repeats", "1"),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 4  # header + (1 rank, 2 ranks) x (touched, fresh)
+
+
 def test_gpu_benchmark_without_a_gpu_says_so() -> None:
     import torch
 
