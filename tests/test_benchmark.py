@@ -126,7 +126,7 @@ def test_goodput_smoke_run(tmp_path) -> None:
     out = tmp_path / "results"
     result = run_benchmark(
         "goodput.py",
-        *("--width", "32", "--layers", "1", "--steps", "2500", "--kills", "8"),
+        *("--width", "32", "--layers", "1", "--steps", "3000", "--kills", "5"),
         *("--calibrate-saves", "1", "--calibrate-warmup", "1", "--calibrate-every", "3"),
         *("--repeats", "1", "--systems", "lmdb,tiers"),
         *("--max-busy", "1", "--out", str(out)),

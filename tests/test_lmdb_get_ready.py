@@ -85,6 +85,31 @@ def test_after_the_first_save_the_map_is_sized_once_and_later_saves_never_remap(
     assert torch.equal(out["w"], state(64, 6.0)["w"]) and torch.equal(out["b"], state(64, 6.0)["b"])
 
 
+def test_a_restarted_process_keeps_the_pages_the_store_got_ready(shm_dir: Path) -> None:
+    """LMDB (writemap) truncates its data file to the map size it is opened with, and a map
+    smaller than the used pages becomes just the used pages: a restart opening the store with
+    the default map size would free every page ``get_ready`` allocated for the next saves,
+    which would then allocate them again. The store opens at its file's size instead."""
+    url = f"lmdb://{shm_dir}/store?map_size=64MiB"  # get_ready grows the map to 1 GiB
+    dcp.save(state(64, 1.0), storage_writer=KVStorageWriter(url, keep_last=2), checkpoint_id="a")
+    wait_populated(shared_env(shm_dir / "store"))
+    data = shm_dir / "store" / "data.mdb"
+    before = os.stat(data)
+    assert before.st_blocks * 512 >= 3 * 64 * MIB  # allocated past the used pages
+    close_idle_environments()
+    # a new process (a restarted job) opens the store with the URL's map size
+    code = (
+        "import torch, torch.distributed.checkpoint as dcp; from kvckpt import KVStorageReader;"
+        "sd = {'w': torch.zeros(64 * 2**20 // 4), 'b': torch.zeros(10)};"
+        f"dcp.load(sd, storage_reader=KVStorageReader({url!r}, checkpoint_id='a'));"
+        "assert float(sd['w'][0]) == 1.0"
+    )
+    subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=True)
+    after = os.stat(data)
+    assert after.st_size == before.st_size
+    assert after.st_blocks == before.st_blocks
+
+
 def test_a_remap_stops_a_background_fault_in_and_forgets_what_was_mapped(shm_dir: Path) -> None:
     url = f"lmdb://{shm_dir}/store"
     dcp.save(state(8, 1.0), storage_writer=KVStorageWriter(url), checkpoint_id="a")
