@@ -256,10 +256,12 @@ def main() -> None:
     restore_start = time.time()
     found = store.latest()  # waits for this node's prefetch
     if found is not None:
+        chosen = time.time()
         sd = state()
         load_start = time.time()
         store.load(sd, found)
         load_seconds = time.time() - load_start
+        loaded = time.time()
         set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         torch.set_rng_state(sd["rng"][f"rank{rank}"])
         step = int(sd["step"])
@@ -275,6 +277,11 @@ def main() -> None:
             restore_start=restore_start,
             restore_end=time.time(),
             load_seconds=load_seconds,
+            # where the rest of the restore went: choosing (latest(), with any prefetch wait),
+            # the state dict's set-up (get_state_dict), and set_state_dict
+            latest_seconds=chosen - restore_start,
+            setup_seconds=load_start - chosen,
+            set_seconds=time.time() - loaded,
         )
         print(f"[rank {rank}] resumed from {name} ({source})", flush=True)
     log(event="ready", step=step, restore_start=restore_start, restore_end=time.time())

@@ -566,7 +566,10 @@ def copy_values(
         for p, (a, b) in enumerate(part_ranges(loc.nbytes, loc.part_bytes)):
             parts.append((src_keys[p], [keys[p] for keys in dst_keys], b - a))
     largest = max((n for _, _, n in parts), default=0)
-    buffer = memoryview(bytearray(max(min(_COPY_BATCH, sum(n for _, _, n in parts)), largest)))
+    total = sum(n for _, _, n in parts)
+    for dst in dsts:
+        dst.reserve(total)  # room for every batch at once, not batch by batch
+    buffer = memoryview(bytearray(max(min(_COPY_BATCH, total), largest)))
     start = 0
     while start < len(parts):
         stop, size = start, 0

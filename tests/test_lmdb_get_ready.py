@@ -195,3 +195,39 @@ def test_get_ready_is_a_no_op_for_other_engines() -> None:
     engine = RedisEngine.from_url("redis://127.0.0.1:1/0")
     assert engine.get_ready(1 << 30, 3) is None
     assert engine._client_obj is None and threading.active_count() == threads
+
+
+def test_a_copy_into_a_new_store_makes_room_once_for_all_its_batches(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy between stores (``Tiers.prefetch``, replica copies) arrives in small batches; the
+    destination reserves room for all of them first, so no batch grows the map or allocates
+    its pages on its own."""
+    from kvckpt import tiered
+
+    src_url, dst_url = f"lmdb://{shm_dir}/src", f"lmdb://{shm_dir}/dst"
+    sd = {f"t{i}": torch.full((24 * MIB // 4,), float(i)) for i in range(4)}  # 96 MiB
+    dcp.save(sd, storage_writer=KVStorageWriter(src_url), checkpoint_id="c")
+    src, dst = LMDBEngine.from_url(src_url), LMDBEngine.from_url(dst_url)
+    record = KVStorageReader(src, checkpoint_id="c").read_record()
+
+    remaps: list[int] = []
+    set_mapsize = _SharedEnv.set_mapsize
+    monkeypatch.setattr(
+        _SharedEnv, "set_mapsize", lambda self, size: (remaps.append(size), set_mapsize(self, size))
+    )
+    reserved: list[int] = []
+    reserve = LMDBEngine.reserve
+    monkeypatch.setattr(
+        LMDBEngine, "reserve", lambda self, n: (reserved.append(n), reserve(self, n))
+    )
+    monkeypatch.setattr(tiered, "_COPY_BATCH", 16 * MIB)  # several batches
+    locations = list(record.locations.values())
+    tiered.copy_values(src, [dst], "c", record.save_id, locations, lambda: None)
+
+    assert reserved == [sum(loc.nbytes for loc in locations)]
+    assert len(remaps) <= 1  # at most the one growth, before the first batch
+    assert shared_env(shm_dir / "dst").populated >= 96 * MIB
+    for loc in locations:
+        for key in loc.keys(dst.prefix, "c", record.save_id):
+            assert dst.get(key) is not None

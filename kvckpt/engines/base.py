@@ -223,6 +223,13 @@ class Engine(ABC):
     def preflight(self, nbytes: int) -> None:  # noqa: B027 - optional hook
         """Before a save writes ``nbytes``: raise if the store cannot take them safely."""
 
+    def reserve(self, nbytes: int) -> None:  # noqa: B027 - optional hook
+        """Before ``nbytes`` arrive in many small ``put_many`` calls (a copy between stores,
+        batch by batch): make room for all of them now, in one step, so that no batch pays on
+        its own (LMDB: sizes its map once and allocates the pages on several threads, where
+        each batch would otherwise grow the map and allocate its pages alone). Returns when
+        done; the batches' own checks still run."""
+
     def get_ready(self, nbytes: int, copies: int | None) -> None:  # noqa: B027 - optional hook
         """After a save wrote its ``nbytes`` (this rank's share): make room for the next save of
         about that size while training runs, so that the next save does not pay for it. The

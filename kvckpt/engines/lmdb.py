@@ -464,6 +464,18 @@ class LMDBEngine(Engine):
             new = max(2 * want, 2 * map_size)
             shared.set_mapsize(-(-new // _GIB) * _GIB if new > _GIB else new)
 
+    def reserve(self, nbytes: int) -> None:
+        """Grow the map and allocate the pages for ``nbytes`` in one step (see
+        ``_preallocate``): a copy of 2.11 GiB into a new store in 64 MiB batches took 1.3-4.1 s
+        allocating batch by batch, single-threaded, against 0.55 s for all of it at once on
+        two threads here."""
+        if nbytes <= 0:
+            return
+        shared = self._env
+        with shared.write_lock:
+            self._grow(shared, nbytes)
+            self._preallocate(shared, nbytes)
+
     def get_ready(self, nbytes: int, copies: int | None) -> None:
         """Make the next save of about ``nbytes`` write into memory that is already allocated and
         mapped, by doing now, on a background thread while training runs, what that save would
@@ -546,15 +558,18 @@ class LMDBEngine(Engine):
             return  # enough free pages, or get_ready mapped these in already
         data_file = os.path.join(self.path, "data.mdb")
         big = nbytes >= _POPULATE_MIN_PIECE
+        # Mapping a few used pages too (a new store's first two) lets ``populated`` count
+        # from the start of the file, so that later writes there know they fault nothing.
+        begin = shared.populated if start - shared.populated <= _MIB else start
         # (with room to spare, so that the last room on a filesystem goes through fallocate,
         # which fails without leaving pages allocated)
         if (
             big
             and self._tmpfs
             and (self._free_bytes() or 0) >= 2 * length
-            and _populate_write(data_file, start, length)
+            and _populate_write(data_file, begin, start + length - begin)
         ):
-            if shared.populated >= start:  # (madvise maps whole pages)
+            if shared.populated >= begin:  # (madvise maps whole pages)
                 shared.populated = max(shared.populated, _page_up(start + length))
             return
         try:
