@@ -155,6 +155,12 @@ class Tiers:
         """A DCP ``StorageWriter`` for one save (``dcp.save`` / ``dcp.async_save``)."""
         return TieredStorageWriter(self, **{**self.writer_options, **options})
 
+    def get_ready(self, state_dict: dict[str, Any]) -> None:
+        """Get the node-local tier ready for this job's saves of ``state_dict`` while the
+        first training steps run, so that the first save is as fast as the later ones
+        (``KVStorageWriter.get_ready``). Returns at once."""
+        self.writer().get_ready(state_dict)
+
     def _submit(self, job: Any, *args: Any, checkpoint_id: str, save_id: str) -> None:
         """Queue a background job on a save. While it is queued or running, the writers'
         ``keep_last`` leaves its checkpoint in the first tier (``busy_ids``), and a read lease

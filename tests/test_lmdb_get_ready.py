@@ -231,3 +231,53 @@ def test_a_copy_into_a_new_store_makes_room_once_for_all_its_batches(
     for loc in locations:
         for key in loc.keys(dst.prefix, "c", record.save_id):
             assert dst.get(key) is not None
+
+
+def test_a_job_gets_the_store_ready_before_its_first_save(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``KVStorageWriter.get_ready(state_dict)`` at the start of a job: the map is sized and the
+    pages of the saves keep_last holds are allocated in the background, so the first save
+    neither remaps nor allocates."""
+    url = f"lmdb://{shm_dir}/store"
+    sd = {"model": state(32, 1.0), "optim": {"state": {0: {"m": torch.ones(8 * MIB // 4)}}}}
+    size = 32 * MIB + 40 + 8 * MIB
+    writer = KVStorageWriter(url, keep_last=2)
+    writer.get_ready(sd)  # returns at once; the work is on a background thread
+    shared = shared_env(shm_dir / "store")
+    wait_populated(shared)
+    assert shared.env.info()["map_size"] >= 3 * size
+    assert shared.populated >= 3 * size
+
+    remaps: list[int] = []
+    set_mapsize = _SharedEnv.set_mapsize
+    monkeypatch.setattr(
+        _SharedEnv, "set_mapsize", lambda self, size: (remaps.append(size), set_mapsize(self, size))
+    )
+    populates: list[int] = []
+    populate = lmdb_engine._populate_write
+    monkeypatch.setattr(
+        lmdb_engine,
+        "_populate_write",
+        lambda *a, **k: (populates.append(a[2]), populate(*a, **k))[1],
+    )
+    dcp.save(sd, storage_writer=writer, checkpoint_id="first")
+    wait_populated(shared)
+    assert remaps == [] and populates == []
+    out = {"model": state(32, 0.0), "optim": {"state": {0: {"m": torch.zeros(8 * MIB // 4)}}}}
+    dcp.load(out, storage_reader=KVStorageReader(url, checkpoint_id="first"))
+    assert torch.equal(out["model"]["w"], sd["model"]["w"])
+    assert torch.equal(out["optim"]["state"][0]["m"], sd["optim"]["state"][0]["m"])
+
+
+def test_tiers_get_the_local_tier_ready(shm_dir: Path, redis_url: str) -> None:
+    from kvckpt import Tiers
+
+    tiers = Tiers([f"lmdb://{shm_dir}/local", redis_url], keep_last=1)
+    try:
+        tiers.get_ready(state(16, 1.0))
+        shared = shared_env(shm_dir / "local")
+        wait_populated(shared)
+        assert shared.populated >= 2 * 16 * MIB
+    finally:
+        tiers.close()
