@@ -29,9 +29,9 @@ from .manage import (
 )
 from .staging import background_stager
 from .storage import KVStorageReader, KVStorageWriter
+from .stores import open_store
 from .tiered import Restore, TieredStorageWriter, Tiers
 from .transfer import DirectoryReader
-from .urls import open_store
 
 __all__ = [
     "CheckpointInfo",

@@ -24,7 +24,7 @@ from .errors import (
     KVCheckpointError,
     StoreUnavailableError,
 )
-from .urls import open_store
+from .stores import open_store
 
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_DAMAGED = range(6)
 

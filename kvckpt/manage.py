@@ -28,7 +28,8 @@ from .catalog import (
 from .engines.base import Engine
 from .errors import CheckpointNotFoundError, MetadataError
 from .format import data_prefix, decode_data_keys, meta_key, spare_key, spare_prefix
-from .urls import open_store, validate_name
+from .stores import open_store
+from .urls import validate_name
 
 
 @dataclass(frozen=True)

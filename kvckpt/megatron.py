@@ -99,7 +99,8 @@ from .storage import (
     plain_types_allowed,
     refusal,
 )
-from .urls import open_store, validate_name
+from .stores import open_store
+from .urls import validate_name
 
 __all__ = [
     "BACKEND",

@@ -60,8 +60,8 @@ from .errors import KVCheckpointError, ReplicationError
 from .format import ItemLocation, part_ranges, spare_key
 from .manage import NEVER, discard_save, gc, list_checkpoints
 from .storage import KVStorageReader, KVStorageWriter, _PlanData
+from .stores import open_store
 from .transfer import DirectoryReader, export_checkpoint
-from .urls import open_store
 
 logger = logging.getLogger(__name__)
 

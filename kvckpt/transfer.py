@@ -48,7 +48,8 @@ from .storage import (
     fetch_parts,
     tensor_bytes,
 )
-from .urls import open_store, validate_name
+from .stores import open_store
+from .urls import validate_name
 
 _BATCH_BYTES = 256 << 20
 
