@@ -604,8 +604,8 @@ class KVCheckpoint(Callback):
             a ``kvckpt.Tiers`` (copies to its slower stores run in its background thread).
         every_n_train_steps: save when the global step is a multiple of this.
         keep_last: after each save, delete this callback's checkpoints (ids ``<name>-<9
-            digits>``) beyond the newest ``keep_last`` from every store; None keeps all.
-            Other checkpoints in the same namespace are never touched.
+            digits>``) beyond the newest ``keep_last`` (by commit time) from every store; None
+            keeps all. Other checkpoints in the same namespace are never touched.
         async_save: copy the tensors (a staging copy in host memory) and write them to the
             store in a background thread while training goes on. Only one save is in flight:
             the next save (and the end of fit) first waits for it, and raises its error if it
@@ -769,9 +769,9 @@ class KVCheckpoint(Callback):
                 infos = list_checkpoints(engine)
             except StoreNotFoundError:
                 continue
-            mine = sorted(
-                (i.checkpoint_id for i in infos if self.owns(i.checkpoint_id)), reverse=True
-            )
+            # Newest first by commit time, as auto_resume chooses: after a resume from an
+            # earlier step, the new branch's checkpoints are the ones to keep.
+            mine = [i.checkpoint_id for i in infos if self.owns(i.checkpoint_id)]
             for checkpoint_id in mine[self.keep_last :]:
                 if checkpoint_id in busy:
                     continue  # its copy to a slower tier is still running
