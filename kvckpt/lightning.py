@@ -417,12 +417,11 @@ def _load_path(
     ``fallback``), or, where no file exists, ``own``'s checkpoint of that path."""
     text = os.fspath(path)
     try:
-        pointer = read_pointer(text)
+        pointer, exists = read_pointer(text), True
+    except IsADirectoryError:  # a sharded checkpoint directory: the fallback's to read
+        pointer, exists = None, True
     except FileNotFoundError:
-        pointer = None
-        exists = False
-    else:
-        exists = True
+        pointer, exists = None, False
     if pointer is not None:
         engine = _pointer_engine(pointer, text, own)
         return load_checkpoint(
@@ -814,7 +813,7 @@ def _engines_of(source: Any) -> list[Engine]:
     if isinstance(source, str | Engine):
         try:
             return [open_store(source, create=False)]
-        except StoreNotFoundError:  # an LMDB store never created: a fresh start
+        except StoreNotFoundError:
             return []
     raise TypeError(
         "auto_resume takes store URLs, engines, Tiers, KVCheckpoint or KVCheckpointIO, not "
@@ -864,7 +863,11 @@ def auto_resume(
     for source in sources:
         for engine in _engines_of(source):
             _register(engine)
-            for info in list_checkpoints(engine):
+            try:
+                infos = list_checkpoints(engine)
+            except StoreNotFoundError:  # an LMDB store never created: a fresh start
+                infos = []
+            for info in infos:
                 if info.complete and not info.rank_local:
                     candidates.append(
                         _Candidate(
