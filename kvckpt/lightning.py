@@ -49,7 +49,7 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 try:
@@ -215,6 +216,20 @@ class Saved:
     created_at: float
 
 
+@contextlib.contextmanager
+def _dcp_errors() -> Iterator[None]:
+    """Raise the error of a one-process DCP call itself, not DCP's ``CheckpointException``
+    around it: that is a ``BaseException`` (``except Exception`` misses it) whose message is
+    a traceback, where a Lightning user should see e.g. kvckpt's ``StoreFullError``."""
+    try:
+        yield
+    except CheckpointException as e:
+        failures = list(e.failures.values())
+        if len(failures) != 1:
+            raise
+        raise failures[0][0] from None
+
+
 def _drop_crashed_saves(engine: Engine, checkpoint_id: str) -> None:
     """Drop uncommitted saves of ``checkpoint_id`` (a writer that died mid-save holds its write
     lease for up to a minute, and the id would refuse a new save meanwhile). Lightning writes
@@ -244,7 +259,8 @@ def save_checkpoint(
     state: dict[str, Any] = dict(tensors)
     state[SKELETON_FQN] = torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)
     writer.reset(checkpoint_id)
-    dcp.save(state, storage_writer=writer, checkpoint_id=checkpoint_id, no_dist=True)
+    with _dcp_errors():
+        dcp.save(state, storage_writer=writer, checkpoint_id=checkpoint_id, no_dist=True)
     return Saved(checkpoint_id, writer.save_id, writer.committed_at or time.time())
 
 
@@ -285,7 +301,8 @@ def load_checkpoint(
     }
     # The same save as the metadata just read, even if the id is re-saved meanwhile.
     pinned = KVStorageReader(engine, checkpoint_id=checkpoint_id, save_id=record.save_id)
-    dcp.load(state, storage_reader=pinned, no_dist=True)
+    with _dcp_errors():
+        dcp.load(state, storage_reader=pinned, no_dist=True)
     data = state.pop(SKELETON_FQN).numpy().tobytes()
     wrapped = _unpickle_skeleton(data, weights_only, where)
     if not isinstance(wrapped, dict) or wrapped.get("format") != 1:

@@ -172,6 +172,46 @@ def test_missing_checkpoint_names_id_and_masked_url(tmp_path: Path) -> None:
         server.stop()
 
 
+def test_failed_overwrite_keeps_the_old_checkpoint(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """save_last re-saves one id: a save that fails half-way must leave the old one whole."""
+    from kvckpt import KVStorageWriter
+
+    io = KVCheckpointIO(store_url)
+    last = tmp_path / "last.ckpt"
+    io.save_checkpoint({"global_step": 1, "w": torch.full((1000,), 1.0)}, last)
+    pointer = last.read_text()
+
+    def fail(self: KVStorageWriter, *args: Any, **kwargs: Any) -> Any:
+        raise OSError("disk on fire (injected)")
+
+    monkeypatch.setattr(KVStorageWriter, "write_data", fail)
+    with pytest.raises(OSError, match="injected"):
+        io.save_checkpoint({"global_step": 2, "w": torch.full((1000,), 2.0)}, last)
+    monkeypatch.undo()
+    assert last.read_text() == pointer
+    loaded = io.load_checkpoint(last)
+    assert loaded["global_step"] == 1 and torch.equal(loaded["w"], torch.full((1000,), 1.0))
+    io.save_checkpoint({"global_step": 3, "w": torch.full((1000,), 3.0)}, last)
+    assert io.load_checkpoint(last)["global_step"] == 3
+
+
+def test_a_crashed_save_does_not_lock_its_id(lmdb_url: str, tmp_path: Path) -> None:
+    """A job killed while saving last.ckpt leaves the id's write lease behind; the restarted
+    job's next save of that id must not wait for it to lapse."""
+    from kvckpt import open_store
+    from kvckpt.catalog import mark_pending
+
+    io = KVCheckpointIO(lmdb_url)
+    last = tmp_path / "last.ckpt"
+    mark_pending(open_store(lmdb_url), io.checkpoint_id(last), "0" * 32, None, 600.0)
+    io.save_checkpoint({"global_step": 5, "w": torch.ones(3)}, last)
+    assert io.load_checkpoint(last)["global_step"] == 5
+    infos = list_checkpoints(lmdb_url, include_incomplete=True)
+    assert [(i.checkpoint_id, i.complete) for i in infos] == [(io.checkpoint_id(last), True)]
+
+
 _UNPICKLED: list[str] = []
 
 
@@ -308,6 +348,20 @@ def test_callback_retention_async_and_auto_resume(
     # A file saved later than every store checkpoint wins.
     again.save_checkpoint(files / "manual.ckpt")
     assert auto_resume(frequent, ckpt_dir=files) == str(files / "manual.ckpt")
+
+
+def test_async_save_error_reaches_the_training_loop(
+    lmdb_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvckpt import KVCheckpointError, KVStorageWriter
+
+    def fail(self: KVStorageWriter, *args: Any, **kwargs: Any) -> Any:
+        raise OSError("disk on fire (injected)")
+
+    monkeypatch.setattr(KVStorageWriter, "write_data", fail)
+    frequent = KVCheckpoint(lmdb_url, every_n_train_steps=2, async_save=True)
+    with pytest.raises(KVCheckpointError, match=r"'step-000000002'.*injected"):
+        fit(trainer(tmp_path, 6, [frequent]))
 
 
 def test_auto_resume_fresh_start_and_foreign_checkpoints(tmp_path: Path, redis_url: str) -> None:
