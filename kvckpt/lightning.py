@@ -478,6 +478,11 @@ class KVCheckpointIO(CheckpointIO):
             unless the load itself asks otherwise (``trainer.fit(..., weights_only=False)``).
             Lightning's default ``weights_only=None`` counts as True.
         **writer_options: passed to ``KVStorageWriter`` (``checksums``, ``lease``, ``ttl``).
+
+    Lightning looks for ``ckpt_path="last"`` and checks ``ModelCheckpoint``'s files on each
+    rank's local filesystem, so in a multi-node job the pointer files belong on a filesystem
+    every node sees, as Lightning's own checkpoint files do; or pass ``fit`` the path
+    explicitly: a path without its pointer file loads from the store by its id.
     """
 
     def __init__(
@@ -632,6 +637,10 @@ class KVCheckpoint(Callback):
     Why not ``ModelCheckpoint`` + ``KVCheckpointIO``: this keeps the user's own checkpoints as
     they are (files, on durable storage) and adds cheap in-memory ones for restarts, with a
     retention of its own.
+
+    In a multi-node job, give it a store every node reaches (Redis, or ``Tiers`` with a shared
+    tier): global rank 0 alone saves, so a node-local LMDB store holds the checkpoints on rank
+    0's node only.
     """
 
     def __init__(
