@@ -212,6 +212,26 @@ def test_a_crashed_save_does_not_lock_its_id(lmdb_url: str, tmp_path: Path) -> N
     assert [(i.checkpoint_id, i.complete) for i in infos] == [(io.checkpoint_id(last), True)]
 
 
+def test_pointer_to_an_unknown_store_with_a_password(tmp_path: Path) -> None:
+    """A pointer file holds the store URL with its password masked: a process that never
+    opened that store cannot load it, and is told how to fix that."""
+    from kvckpt import KVCheckpointError
+
+    path = tmp_path / "last.ckpt"
+    path.write_text(
+        json.dumps(
+            {
+                "kvckpt": "lightning-pointer",
+                "version": 1,
+                "store": "redis://:***@10.9.8.7:6379/0",
+                "checkpoint_id": "last.00000000",
+            }
+        )
+    )
+    with pytest.raises(KVCheckpointError, match=r"redis://:\*\*\*@10.9.8.7.*full URL"):
+        KVCheckpointIO(f"lmdb://{tmp_path / 'store'}").load_checkpoint(path)
+
+
 _UNPICKLED: list[str] = []
 
 
