@@ -81,8 +81,9 @@ from .errors import (
 )
 from .manage import delete_checkpoint, discard_save, list_checkpoints
 from .storage import KVStorageReader, KVStorageWriter, plain_types_allowed, refusal
+from .stores import open_store
 from .tiered import Tiers
-from .urls import open_store, validate_name
+from .urls import validate_name
 
 __all__ = [
     "KVCheckpoint",
