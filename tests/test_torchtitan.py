@@ -11,11 +11,9 @@ a CPU-only torch refuses; ``test_trainer_needs_an_accelerator`` pins that down.
 
 from __future__ import annotations
 
-import copy
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,23 +24,22 @@ pytest.importorskip("torchtitan")
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
+import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.stateful import Stateful
-from torch.utils.data import IterableDataset
-from torchtitan.components.dataloader import ParallelAwareDataloader
-from torchtitan.components.optimizer import (
-    LRSchedulersContainer,
-    OptimizersContainer,
-    default_adamw,
-)
 
 import kvckpt
 from kvckpt.errors import CheckpointNotFoundError
 from kvckpt.testing import free_port
 from kvckpt.torchtitan import KVCheckpointManager
-
-TOTAL_STEPS = 10
+from tests._torchtitan_job import (
+    TOTAL_STEPS,
+    Job,
+    assert_same,
+    config,
+    make_job,
+    rank_main,
+    snapshot,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -59,135 +56,11 @@ def process_group() -> Iterator[None]:
     dist.destroy_process_group()
 
 
-class TrainState(Stateful):
-    """The trainer's own ``train_state`` (``Trainer.state_dict``): step and tokens seen."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.ntokens_seen = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.step = state_dict["step"]
-        self.ntokens_seen = state_dict["ntokens_seen"]
-
-
-class Batches(IterableDataset):
-    """An endless, seeded stream: a restored dataloader must continue where the saved one was."""
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        g = torch.Generator().manual_seed(7)
-        while True:
-            x = torch.randn(8, generator=g)
-            yield x, torch.tanh(x[:4] * 2)
-
-
-@dataclass
-class Job:
-    """One training job as torchtitan's ``Trainer`` runs it, on CPU."""
-
-    model: nn.Module
-    optimizers: OptimizersContainer
-    lr_schedulers: LRSchedulersContainer
-    dataloader: ParallelAwareDataloader
-    train_state: TrainState
-    checkpointer: KVCheckpointManager
-    batches: Iterator[Any] | None = None
-    snapshots: dict[int, dict[str, Any]] = field(default_factory=dict)
-
-    def train(self, until: int, *, snapshot_at: tuple[int, ...] = ()) -> None:
-        """``Trainer.train``'s loop from the current step to ``until``."""
-        if self.batches is None:  # the trainer's batch generator starts after the load
-            self.batches = iter(self.dataloader)
-        while self.train_state.step < until:
-            self.train_state.step += 1
-            x, y = next(self.batches)
-            loss = nn.functional.mse_loss(self.model(x), y)
-            loss.backward()
-            self.train_state.ntokens_seen += x.shape[0]
-            self.checkpointer.maybe_wait_for_staging()
-            self.optimizers.step()
-            self.lr_schedulers.step()
-            self.optimizers.zero_grad()
-            if self.train_state.step in snapshot_at:
-                self.snapshots[self.train_state.step] = snapshot(self)
-            self.checkpointer.save(
-                self.train_state.step, last_step=self.train_state.step == TOTAL_STEPS
-            )
-
-    def stop(self) -> None:
-        """The end of a job that did not reach its last step (a crash or preemption after the
-        last save finished)."""
-        self.checkpointer.maybe_wait_for_saving()
-        self.checkpointer.close()
-
-
-def make_job(config: KVCheckpointManager.Config, tmp_path: Path, seed: int = 0) -> Job:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    opt_config = default_adamw(lr=1e-2)
-    opt_config.implementation = "for-loop"
-    optimizers = opt_config.build(model_parts=[model])
-    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
-        optimizers=optimizers, training_steps=TOTAL_STEPS
-    )
-    dataloader = ParallelAwareDataloader(Batches(), dp_rank=0, dp_world_size=1, batch_size=2)
-    train_state = TrainState()
-    # Exactly the trainer's call (torchtitan/trainer.py, "build checkpointer").
-    checkpointer = config.build(
-        dataloader=dataloader,
-        model_parts=[model],
-        optimizers=optimizers,
-        lr_schedulers=lr_schedulers,
-        states={"train_state": train_state},
-        sd_adapter=None,
-        base_folder=str(tmp_path / "dump"),
-    )
-    assert type(checkpointer) is KVCheckpointManager
-    return Job(model, optimizers, lr_schedulers, dataloader, train_state, checkpointer)
-
-
-def snapshot(job: Job) -> dict[str, Any]:
-    return copy.deepcopy(
-        {
-            "model": job.model.state_dict(),
-            "optimizer": job.optimizers.state_dict(),
-            "lr": job.lr_schedulers.state_dict(),
-            "train": job.train_state.state_dict(),
-        }
-    )
-
-
-def assert_same(a: Any, b: Any, where: str = "") -> None:
-    """Bit-exact equality of nested state (tensors with ``torch.equal``)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
 def ids(url: str) -> set[str]:
     try:
         return {i.checkpoint_id for i in kvckpt.list_checkpoints(url) if i.complete}
     except kvckpt.StoreNotFoundError:  # no save yet
         return set()
-
-
-def config(url: str, **kw: Any) -> KVCheckpointManager.Config:
-    kw.setdefault("interval", 3)
-    kw.setdefault("keep_latest_k", 0)
-    return KVCheckpointManager.Config(enable=True, store_url=url, **kw)
 
 
 def trained(url: str, tmp_path: Path, until: int = 6, **kw: Any) -> Job:
@@ -323,6 +196,25 @@ def test_resume_is_bit_exact(
     second.train(8, snapshot_at=(8,))  # the dataloader and lr schedule continue as well
     second.stop()
     assert_same(first.snapshots[8], second.snapshots[8], "continued")
+
+
+def test_seed_checkpoint_is_model_only(lmdb_url: str, tmp_path: Path) -> None:
+    """``--checkpoint.create_seed_checkpoint``: torchtitan saves step 0 as a model-only last
+    step; a job resumes the model from it and starts at step 0 with a fresh optimizer."""
+    seed = make_job(config(lmdb_url), tmp_path)
+    assert seed.checkpointer.save(curr_step=0, last_step=True) is True
+    seed.stop()
+    assert ids(lmdb_url) == {"step-0"}
+    job = make_job(config(lmdb_url), tmp_path, seed=1)
+    untouched = snapshot(job)
+    assert job.checkpointer.load() is True
+    now = snapshot(job)
+    assert_same(snapshot(seed)["model"], now["model"], "model")
+    assert_same(untouched["optimizer"], now["optimizer"], "optimizer")
+    assert job.train_state.step == 0
+    job.train(3)
+    job.stop()
+    assert ids(lmdb_url) == {"step-0", "step-3"}
 
 
 def test_load_step_and_missing_step(lmdb_url: str, tmp_path: Path) -> None:
@@ -464,3 +356,18 @@ def test_trainer_needs_an_accelerator() -> None:
 def test_import_kvckpt_does_not_import_torchtitan() -> None:
     code = "import sys, kvckpt; assert 'torchtitan' not in sys.modules, 'torchtitan imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("store", ["lmdb", "redis"])
+def test_two_ranks_resume_bit_exact(store: str, request: pytest.FixtureRequest, tmp_path: Path):
+    """Two data-parallel ranks (spawned, gloo) save asynchronously and resume: each rank's
+    model, optimizer, lr schedule and dataloader position come back bit-exact."""
+    url = request.getfixturevalue(f"{store}_url")
+    mp.spawn(rank_main, args=(2, free_port(), url, str(tmp_path), "async"), nprocs=2, join=True)
+    assert ids(url) == {"step-3", "step-6"}
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert_same(got["first"][6], got["restored"], f"rank {rank} restored")
+        assert_same(got["first"][8], got["continued"], f"rank {rank} continued")
+    saved = kvckpt.KVStorageReader(url, checkpoint_id="step-6").read_metadata()
+    assert {"dataloader.dp_rank_0", "dataloader.dp_rank_1"} <= set(saved.state_dict_metadata)
