@@ -25,9 +25,13 @@ state, ``exclude_from_loading``, the model-only step 0 seed) and the async modes
   runs that share a store apart), written by ``KVStorageWriter``: a reader sees all of a step
   or none of it, so no folder scan has to guess which steps are whole.
 - ``keep_latest_k`` is kvckpt retention (``KVStorageWriter(keep_last=k)``), applied right after
-  each commit, instead of torchtitan's purge thread deleting directories.
+  each commit, instead of torchtitan's purge thread deleting directories. It keeps the newest
+  ``k`` complete checkpoints of the store's namespace (by commit time), whatever their ids.
 - A restart resumes from the highest complete ``step-N`` in the store's catalog (one read), as
   torchtitan resumes from the highest ``step-N`` folder with a ``.metadata`` file.
+- ``replica_urls`` adds slower stores that every checkpoint is copied to in the background
+  (``kvckpt.Tiers``): node-local LMDB in ``store_url`` and a shared Redis replica, and a job
+  on a replaced node resumes from Redis. A step is read from the fastest store that holds it.
 - Loads go through ``KVStorageReader`` with ``weights_only`` rules (``DirectoryReader`` for a DCP
   directory): a store that others can write to cannot run code in the trainer.
 - ``async_with_pinned_mem`` stages through ``kvckpt.background_stager()``, DCP's
@@ -45,8 +49,9 @@ torchtitan.
 from __future__ import annotations
 
 import re
+import socket
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -69,12 +74,18 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         f"kvckpt.torchtitan needs torchtitan 0.3.x: pip install 'kvckpt[torchtitan]' ({e})"
     ) from e
 
-from .errors import CheckpointNotFoundError, KVCheckpointError, StoreNotFoundError
+from .errors import (
+    CheckpointNotFoundError,
+    KVCheckpointError,
+    ReplicationError,
+    StoreNotFoundError,
+)
 from .manage import latest_checkpoint, list_checkpoints
 from .staging import background_stager
 from .storage import KVStorageReader, KVStorageWriter
+from .tiered import Tiers
 from .transfer import DirectoryReader
-from .urls import BUILTIN_SCHEMES, ENTRY_POINT_GROUP, mask_url
+from .urls import BUILTIN_SCHEMES, ENTRY_POINT_GROUP, mask_url, open_store
 
 __all__ = ["KVCheckpointManager", "checkpoint_id_for_step", "step_of"]
 
@@ -117,7 +128,7 @@ class KVCheckpointManager(CheckpointManager):
     Built by torchtitan from ``KVCheckpointManager.Config`` (``config.checkpoint.build(...)``),
     with the same arguments as ``CheckpointManager``. Only the storage methods are overridden
     (``dcp_save``, ``dcp_load``, ``_find_load_step``, ``_create_checkpoint_id``, ``_load``,
-    ``_purge_stale_checkpoints``); the module docstring lists what that changes.
+    ``_purge_stale_checkpoints``, ``_close``); the module docstring lists what that changes.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -125,6 +136,12 @@ class KVCheckpointManager(CheckpointManager):
         store_url: str = ""
         """kvckpt store URL the checkpoints go to and resume from (``lmdb:///dev/shm/ckpt``,
         ``redis://host:6379/0?prefix=run7``). Required when ``enable`` is set."""
+
+        replica_urls: list[str] = field(default_factory=list)
+        """Slower stores that each checkpoint is copied to in the background once it commits
+        in ``store_url`` (``kvckpt.Tiers``): node-local LMDB in ``store_url``, a shared Redis
+        here, so that a job whose node was replaced resumes from Redis. Retention
+        (``keep_latest_k``) applies to every store."""
 
         weights_only: bool = True
         """Load stored objects (optimizer hyperparameters, dataloader and train state) under
@@ -140,19 +157,26 @@ class KVCheckpointManager(CheckpointManager):
                     "store, e.g. --checkpoint.store_url lmdb:///dev/shm/ckpt or "
                     "redis://host:6379/0"
                 )
-            if self.store_url and not is_store_url(self.store_url):
-                raise ValueError(
-                    f"checkpoint.store_url {mask_url(self.store_url)!r} is not a kvckpt store "
-                    f"URL: use one of the schemes {', '.join(BUILTIN_SCHEMES)} (a directory "
-                    "belongs in torchtitan's CheckpointManager.Config.folder)"
-                )
+            self.replica_urls = [u.strip() for u in self.replica_urls if u.strip()]
+            for name, url in [("store_url", self.store_url)] + [
+                ("replica_urls", u) for u in self.replica_urls
+            ]:
+                if url and not is_store_url(url):
+                    raise ValueError(
+                        f"checkpoint.{name} {mask_url(url)!r} is not a kvckpt store URL: use "
+                        f"one of the schemes {', '.join(BUILTIN_SCHEMES)} (a directory belongs "
+                        "in torchtitan's CheckpointManager.Config.folder)"
+                    )
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         if not self.enable:
             return
         self.store_url = config.store_url
+        self.replica_urls = list(config.replica_urls)
         self.weights_only = config.weights_only
+        #: built at the first save, so that a load_only job creates no store
+        self.tiers: Tiers | None = None
         # Retention is the writer's (keep_last), right after each commit: torchtitan's purge
         # thread, which deletes step-N directories, has nothing to do.
         if self.purge_thread is not None:
@@ -164,8 +188,9 @@ class KVCheckpointManager(CheckpointManager):
             # which fails without an accelerator; this one pins only where that works.
             self.stager = background_stager()
         logger.info(
-            "Checkpointing to kvckpt store %s (keep_latest_k=%d, async_mode=%s)",
+            "Checkpointing to kvckpt store %s%s (keep_latest_k=%d, async_mode=%s)",
             mask_url(self.store_url),
+            "".join(f", copied to {mask_url(u)}" for u in self.replica_urls),
             self.keep_latest_k,
             self.async_mode.value,
         )
@@ -178,19 +203,26 @@ class KVCheckpointManager(CheckpointManager):
             return super()._create_checkpoint_id(step, folder)
         return checkpoint_id_for_step(step)
 
-    def stored_steps(self) -> list[int]:
-        """The steps with a complete checkpoint in the store, ascending ([] before the first
-        save: an LMDB store that does not exist yet is not created by looking).
+    def stored_steps(self) -> dict[int, str]:
+        """The steps with a complete checkpoint, ascending, each with the store to read it from:
+        the fastest that holds its newest save ({} before the first save: an LMDB store that
+        does not exist yet is not created by looking). With ``replica_urls``, a node-local
+        store (LMDB) counts only when every rank runs on one host, as in ``Tiers.latest``.
 
-        Collective in a job of several ranks: rank 0 reads the catalog and every rank gets its
+        Collective in a job of several ranks: rank 0 reads the catalogs and every rank gets its
         answer, so a save or retention between two ranks' reads cannot have them resume from
         different steps."""
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return self._read_steps()
+            return self._read_steps(single_host=True)
+        single_host = True
+        if self.replica_urls:
+            hosts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(hosts, socket.gethostname())
+            single_host = len(set(hosts)) == 1
         found: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
-                found[0] = self._read_steps()
+                found[0] = self._read_steps(single_host)
             except Exception as e:  # every rank raises it, none waits for the others
                 found[0] = f"{type(e).__name__}: {e}"
         dist.broadcast_object_list(found, src=0)
@@ -198,23 +230,39 @@ class KVCheckpointManager(CheckpointManager):
             raise KVCheckpointError(
                 f"rank 0 could not list the checkpoints of {mask_url(self.store_url)}: {found[0]}"
             )
-        return list(found[0])
+        return dict(found[0])
 
-    def _read_steps(self) -> list[int]:
-        try:
-            infos = list_checkpoints(self.store_url)
-        except StoreNotFoundError:
-            return []
-        steps = {step_of(i.checkpoint_id) for i in infos if i.complete}
-        return sorted(s for s in steps if s is not None)
+    def _read_steps(self, single_host: bool) -> dict[int, str]:
+        urls = [self.store_url, *self.replica_urls]
+        best: dict[int, tuple[float, int]] = {}  # step -> (commit time, -tier)
+        for tier, url in enumerate(urls):
+            try:
+                engine = open_store(url, create=False)
+                if len(urls) > 1 and not (engine.shared or single_host):
+                    continue  # another node's ranks wrote to their own node's store
+                infos = list_checkpoints(engine)
+            except StoreNotFoundError:
+                continue
+            except KVCheckpointError as e:
+                if len(urls) == 1:
+                    raise
+                logger.warning("kvckpt: resuming without %s: %s", mask_url(url), e)
+                continue
+            for info in infos:
+                step = step_of(info.checkpoint_id)
+                if step is None or not info.complete or info.rank_local:
+                    continue
+                # the newest save of the step (a failed copy can leave an older one in a
+                # replica), from the fastest store that holds it
+                best[step] = max(best.get(step, (-1.0, 0)), (info.created_at, -tier))
+        return {step: urls[-best[step][1]] for step in sorted(best)}
 
     def _find_load_step(self, folder: str = "") -> int:
         """The highest complete ``step-N`` in the store (torchtitan's rule for its folders),
         or -1. ``folder``: torchtitan's scan of that directory."""
         if folder:
             return super()._find_load_step(folder)
-        steps = self.stored_steps()
-        return steps[-1] if steps else -1
+        return max(self.stored_steps(), default=-1)
 
     def _purge_stale_checkpoints(self) -> None:
         """Nothing to do: ``KVStorageWriter(keep_last=keep_latest_k)`` already applied
@@ -229,7 +277,25 @@ class KVCheckpointManager(CheckpointManager):
         return reader
 
     def _writer(self) -> KVStorageWriter:
-        return KVStorageWriter(self.store_url, keep_last=self.keep_latest_k or None)
+        if not self.replica_urls:
+            return KVStorageWriter(self.store_url, keep_last=self.keep_latest_k or None)
+        if self.tiers is None:
+            self.tiers = Tiers(
+                [self.store_url, *self.replica_urls], keep_last=self.keep_latest_k or None
+            )
+        return self.tiers.writer()
+
+    def _close(self) -> None:
+        """torchtitan's close, then (with ``replica_urls``) wait for the background copies:
+        a job that ends leaves every checkpoint in every store. A copy that failed is logged,
+        not raised: the checkpoint is committed in ``store_url`` all the same."""
+        super()._close()
+        tiers, self.tiers = self.tiers, None
+        if tiers is not None:
+            try:
+                tiers.close()
+            except ReplicationError as e:
+                logger.error("kvckpt: %s", e)
 
     @torch.no_grad()
     def dcp_save(
@@ -323,12 +389,14 @@ class KVCheckpointManager(CheckpointManager):
         step when -1) if the store has it, else the initial load (``initial_load_path``, a
         Hugging Face model), else a fresh start (False)."""
         from_hf = from_quantized = False
+        steps: dict[int, str] = {}
         if step == -1:
-            load_step = self._find_load_step()
+            steps = self.stored_steps()
+            load_step = max(steps, default=-1)
         else:
             steps = self.stored_steps()
             if step not in steps:
-                shown = ", ".join(str(s) for s in steps[-20:]) or "none"
+                shown = ", ".join(str(s) for s in list(steps)[-20:]) or "none"
                 raise CheckpointNotFoundError(
                     f"--checkpoint.load_step={step}: checkpoint "
                     f"{checkpoint_id_for_step(step)!r} is not a complete checkpoint in "
@@ -368,8 +436,9 @@ class KVCheckpointManager(CheckpointManager):
             # The fault-tolerance branch: the store has this run's checkpoints, so the initial_*
             # options are ignored by design (torchtitan's rule); step 0 is a model-only seed.
             model_only = load_step == 0
-            checkpoint_id = self._create_checkpoint_id(load_step)
-            where = f"{checkpoint_id} in {mask_url(self.store_url)}"
+            url = steps[load_step]
+            where = f"{self._create_checkpoint_id(load_step)} in {mask_url(url)}"
+            checkpoint_id = f"{url}#{self._create_checkpoint_id(load_step)}"
 
         logger.info("Loading the checkpoint %s.", where)
         states = self._states_to_load(model_only)

@@ -11,6 +11,7 @@ a CPU-only torch refuses; ``test_trainer_needs_an_accelerator`` pins that down.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -215,6 +216,38 @@ def test_seed_checkpoint_is_model_only(lmdb_url: str, tmp_path: Path) -> None:
     job.train(3)
     job.stop()
     assert ids(lmdb_url) == {"step-0", "step-3"}
+
+
+def test_replicas_resume_after_the_node_is_lost(
+    lmdb_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    """``replica_urls``: each checkpoint commits in node-local LMDB and is copied to Redis in
+    the background (``kvckpt.Tiers``); a job on a new node (no LMDB store) resumes from Redis."""
+    cfg = config(
+        lmdb_url,
+        replica_urls=[redis_url],
+        keep_latest_k=2,
+        async_mode="async_with_pinned_mem",
+    )
+    first = make_job(cfg, tmp_path)
+    assert first.checkpointer.load() is False
+    first.train(9, snapshot_at=(9,))
+    first.stop()  # waits for the copies
+    assert ids(redis_url) == {"step-6", "step-9"}
+    assert ids(lmdb_url) >= {"step-6", "step-9"}
+    shutil.rmtree(lmdb_url.removeprefix("lmdb://"))  # the node is replaced
+
+    second = make_job(cfg, tmp_path, seed=1)
+    assert second.checkpointer.stored_steps() == {6: redis_url, 9: redis_url}
+    assert second.checkpointer.load() is True
+    assert_same(first.snapshots[9], snapshot(second), "restored from the replica")
+    second.train(10)  # the last step: a save into the new node's store, copied to Redis
+    second.stop()
+    assert "step-10" in ids(lmdb_url) and "step-10" in ids(redis_url)
+    # with both stores holding a step, it is read from the fast one
+    third = make_job(cfg, tmp_path, seed=2)
+    assert third.checkpointer.stored_steps()[10] == lmdb_url
+    third.stop()
 
 
 def test_load_step_and_missing_step(lmdb_url: str, tmp_path: Path) -> None:
