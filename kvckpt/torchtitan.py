@@ -114,6 +114,14 @@ def is_store_url(path: str) -> bool:
     return any(ep.name == scheme for ep in entry_points(group=ENTRY_POINT_GROUP))
 
 
+def describe(path: str) -> str:
+    """A checkpoint path for messages: a store URL's password masked, its ``#<id>`` kept."""
+    if not is_store_url(path):
+        return path
+    url, checkpoint_id = split_store_path(path)
+    return mask_url(url) + ("" if checkpoint_id is None else f"#{checkpoint_id}")
+
+
 def split_store_path(path: str) -> tuple[str, str | None]:
     """``<store URL>#<checkpoint id>`` -> (URL, id); a URL without ``#`` -> (URL, None)."""
     url, sep, checkpoint_id = path.rpartition("#")
@@ -389,18 +397,17 @@ class KVCheckpointManager(CheckpointManager):
         step when -1) if the store has it, else the initial load (``initial_load_path``, a
         Hugging Face model), else a fresh start (False)."""
         from_hf = from_quantized = False
-        steps: dict[int, str] = {}
+        steps = self.stored_steps()
         if step == -1:
-            steps = self.stored_steps()
             load_step = max(steps, default=-1)
         else:
-            steps = self.stored_steps()
             if step not in steps:
                 shown = ", ".join(str(s) for s in list(steps)[-20:]) or "none"
+                stores = " or ".join(mask_url(u) for u in [self.store_url, *self.replica_urls])
                 raise CheckpointNotFoundError(
                     f"--checkpoint.load_step={step}: checkpoint "
                     f"{checkpoint_id_for_step(step)!r} is not a complete checkpoint in "
-                    f"{mask_url(self.store_url)} (complete steps there: {shown})"
+                    f"{stores} (complete steps there: {shown})"
                 )
             load_step = step
 
@@ -431,7 +438,7 @@ class KVCheckpointManager(CheckpointManager):
                     mask_url(self.store_url),
                 )
                 return False
-            where = mask_url(checkpoint_id) if is_store_url(checkpoint_id) else checkpoint_id
+            where = describe(checkpoint_id)
         else:
             # The fault-tolerance branch: the store has this run's checkpoints, so the initial_*
             # options are ignored by design (torchtitan's rule); step 0 is a model-only seed.

@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import kvckpt
 from kvckpt.errors import CheckpointNotFoundError
-from kvckpt.testing import free_port
-from kvckpt.torchtitan import KVCheckpointManager
+from kvckpt.testing import RedisServer, free_port
+from kvckpt.torchtitan import KVCheckpointManager, describe
 from tests._torchtitan_job import (
     TOTAL_STEPS,
     Job,
@@ -259,6 +259,27 @@ def test_load_step_and_missing_step(lmdb_url: str, tmp_path: Path) -> None:
         job.checkpointer.load(step=99)
     job.stop()
     assert first.snapshots[6]["train"]["step"] == 6
+
+
+def test_errors_mask_the_password(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis")
+    try:
+        server.client().config_set("requirepass", "hunter2")
+        url = f"redis://:hunter2@127.0.0.1:{server.port}/0?prefix=run7"
+        job = make_job(config(url), tmp_path)
+        job.train(3)
+        job.stop()
+        job = make_job(config(url), tmp_path, seed=1)
+        with pytest.raises(CheckpointNotFoundError) as info:
+            job.checkpointer.load(step=99)
+        assert "***" in str(info.value) and "hunter2" not in str(info.value)
+        assert "step-99" in str(info.value) and "complete steps there: 3" in str(info.value)
+        assert (
+            describe(f"{url}#step-3")
+            == f"redis://:***@127.0.0.1:{server.port}/0?prefix=run7#step-3"
+        )
+    finally:
+        server.stop()
 
 
 def test_load_only_saves_nothing(lmdb_url: str, tmp_path: Path) -> None:
