@@ -83,11 +83,19 @@ from .errors import (
 from .manage import latest_checkpoint, list_checkpoints
 from .staging import background_stager
 from .storage import KVStorageReader, KVStorageWriter
+from .stores import BUILTIN_SCHEMES, ENTRY_POINT_GROUP, open_store
 from .tiered import Tiers
 from .transfer import DirectoryReader
-from .urls import BUILTIN_SCHEMES, ENTRY_POINT_GROUP, mask_url, open_store
+from .urls import mask_url
 
-__all__ = ["KVCheckpointManager", "checkpoint_id_for_step", "step_of"]
+__all__ = [
+    "KVCheckpointManager",
+    "checkpoint_id_for_step",
+    "describe",
+    "is_store_url",
+    "split_store_path",
+    "step_of",
+]
 
 _STEP_ID = re.compile(r"step-(\d+)")
 
