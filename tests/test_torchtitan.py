@@ -86,12 +86,7 @@ def import_trainer() -> Any:
     return torchtitan.trainer
 
 
-def test_config_selects_the_manager_and_checks_its_fields(lmdb_url: str, tmp_path: Path) -> None:
-    Trainer = import_trainer().Trainer
-
-    # The trainer's config takes it where CheckpointManager.Config goes.
-    field_type = Trainer.Config.__dataclass_fields__["checkpoint"].type
-    assert "BaseCheckpointManager.Config" in str(field_type)
+def test_config_checks_its_fields(lmdb_url: str, tmp_path: Path) -> None:
     cfg = KVCheckpointManager.Config(enable=True, store_url=f" {lmdb_url} ")
     assert cfg.store_url == lmdb_url and cfg.weights_only
     assert cfg.to_dict()["store_url"] == lmdb_url
@@ -99,8 +94,10 @@ def test_config_selects_the_manager_and_checks_its_fields(lmdb_url: str, tmp_pat
         KVCheckpointManager.Config(enable=True)
     with pytest.raises(ValueError, match="not a kvckpt store URL"):
         KVCheckpointManager.Config(enable=True, store_url="/tmp/ckpt")
-    with pytest.raises(ValueError, match=r"\*\*\*"):  # the password is masked
-        KVCheckpointManager.Config(enable=True, store_url="gs://:hunter2@bucket/x")
+    with pytest.raises(ValueError, match=r"replica_urls 'gs://:\*\*\*@bucket/x'"):
+        KVCheckpointManager.Config(
+            enable=True, store_url=lmdb_url, replica_urls=["gs://:hunter2@bucket/x"]
+        )
     with pytest.raises(ValueError, match="at least 2"):  # torchtitan's own checks still run
         KVCheckpointManager.Config(enable=True, store_url=lmdb_url, keep_latest_k=1)
     # disabled: builds, does nothing, creates nothing
@@ -110,10 +107,15 @@ def test_config_selects_the_manager_and_checks_its_fields(lmdb_url: str, tmp_pat
     assert not Path(lmdb_url.removeprefix("lmdb://")).exists()
 
 
-def test_config_registry_and_cli_select_it(lmdb_url: str) -> None:
-    """torchtitan's ConfigManager (``--module/--config`` and CLI overrides) builds it."""
-    import_trainer()
+def test_config_registry_and_cli_select_it(lmdb_url: str, redis_url: str, tmp_path: Path):
+    """torchtitan's ConfigManager (``--module/--config`` and CLI overrides) builds the config,
+    and the config builds the manager as the trainer does."""
+    trainer = import_trainer()
     from torchtitan.config import ConfigManager
+
+    # The trainer's config takes it where CheckpointManager.Config goes.
+    field_type = trainer.Trainer.Config.__dataclass_fields__["checkpoint"].type
+    assert "BaseCheckpointManager.Config" in str(field_type)
 
     config = ConfigManager().parse_args(
         [
@@ -125,12 +127,19 @@ def test_config_registry_and_cli_select_it(lmdb_url: str) -> None:
             lmdb_url,
             "--checkpoint.interval",
             "7",
+            "--checkpoint.replica_urls",
+            redis_url,
         ]
     )
     assert type(config.checkpoint) is KVCheckpointManager.Config
     assert config.checkpoint.store_url == lmdb_url
     assert config.checkpoint.interval == 7
     assert config.checkpoint.keep_latest_k == 3  # from the config function
+    assert config.checkpoint.replica_urls == [redis_url]
+    job = make_job(config.checkpoint, tmp_path)  # asserts the manager's type
+    job.train(7)
+    job.stop()
+    assert ids(lmdb_url) == ids(redis_url) == {"step-7"}
 
 
 # -- save policy ----------------------------------------------------------------------------
