@@ -6,7 +6,9 @@ real LMDB stores and a real redis-server.
 
 torchtitan's ``Trainer`` itself cannot run here: it selects ``cuda`` when no accelerator is
 present (``torchtitan.tools.utils.get_device_info``) and calls ``torch.cuda.set_device``, which
-a CPU-only torch refuses; ``test_trainer_needs_an_accelerator`` pins that down.
+a CPU-only torch refuses; ``test_trainer_needs_an_accelerator`` pins that down. Importing
+``torchtitan.trainer`` (and so torchtitan's ``ConfigManager`` with a config registry) also needs
+``triton``, which a CPU-only torch does not install: the one test that does skips without it.
 """
 
 from __future__ import annotations
