@@ -51,6 +51,16 @@ def shared_env(path: Path) -> _SharedEnv:
     return _SharedEnv._envs[(os.getpid(), os.path.realpath(path))]
 
 
+def count_remaps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The map sizes of every remap from now on (each drops the process's page mappings)."""
+    remaps: list[int] = []
+    set_mapsize = _SharedEnv.set_mapsize
+    monkeypatch.setattr(
+        _SharedEnv, "set_mapsize", lambda self, size: (remaps.append(size), set_mapsize(self, size))
+    )
+    return remaps
+
+
 def wait_populated(shared: _SharedEnv) -> None:
     if shared.populator is not None:
         shared.populator.join(60)
@@ -68,11 +78,7 @@ def test_after_the_first_save_the_map_is_sized_once_and_later_saves_never_remap(
     assert shared.env.info()["map_size"] >= 3 * 64 * MIB
     assert shared.populated >= 3 * 64 * MIB
 
-    remaps: list[int] = []
-    set_mapsize = _SharedEnv.set_mapsize
-    monkeypatch.setattr(
-        _SharedEnv, "set_mapsize", lambda self, size: (remaps.append(size), set_mapsize(self, size))
-    )
+    remaps = count_remaps(monkeypatch)
     for i in range(1, 7):
         writer = KVStorageWriter(url, keep_last=2)
         dcp.save(state(64, float(i)), storage_writer=writer, checkpoint_id=f"s{i}")
@@ -211,11 +217,7 @@ def test_a_copy_into_a_new_store_makes_room_once_for_all_its_batches(
     src, dst = LMDBEngine.from_url(src_url), LMDBEngine.from_url(dst_url)
     record = KVStorageReader(src, checkpoint_id="c").read_record()
 
-    remaps: list[int] = []
-    set_mapsize = _SharedEnv.set_mapsize
-    monkeypatch.setattr(
-        _SharedEnv, "set_mapsize", lambda self, size: (remaps.append(size), set_mapsize(self, size))
-    )
+    remaps = count_remaps(monkeypatch)
     reserved: list[int] = []
     reserve = LMDBEngine.reserve
     monkeypatch.setattr(
@@ -249,11 +251,7 @@ def test_a_job_gets_the_store_ready_before_its_first_save(
     assert shared.env.info()["map_size"] >= 3 * size
     assert shared.populated >= 3 * size
 
-    remaps: list[int] = []
-    set_mapsize = _SharedEnv.set_mapsize
-    monkeypatch.setattr(
-        _SharedEnv, "set_mapsize", lambda self, size: (remaps.append(size), set_mapsize(self, size))
-    )
+    remaps = count_remaps(monkeypatch)
     populates: list[int] = []
     populate = lmdb_engine._populate_write
     monkeypatch.setattr(
