@@ -545,16 +545,21 @@ class KVCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """Delete the store's checkpoint of ``path`` first, then its pointer file (a crash
         between the two leaves a pointer whose load fails clearly, never data nobody points
-        to). A ``torch.save`` file at ``path`` is simply deleted."""
+        to). A ``torch.save`` file at ``path`` is simply deleted, and so is a pointer that is
+        not ``path``'s own: ``save_last="link"``'s symlink to a top-k checkpoint, or its copy
+        where links are not available, whose removal must leave that checkpoint alone."""
         text = os.fspath(path)
         fs = get_filesystem(text)
+        if os.path.islink(text):
+            fs.rm(text)
+            return
         try:
             pointer = read_pointer(text)
         except FileNotFoundError:
             pointer, exists = None, False
         else:
             exists = True
-        if pointer is not None:
+        if pointer is not None and pointer["checkpoint_id"] == self.checkpoint_id(text):
             engine, cid = _pointer_engine(pointer, text, self.engine), pointer["checkpoint_id"]
         elif exists:
             fs.rm(text)

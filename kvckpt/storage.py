@@ -333,13 +333,20 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
 
         The size is this rank's share of a save, estimated without collectives: its local
         shards of sharded tensors, and its part of the replicated tensors, which DCP spreads
-        evenly over the ranks that save them.
+        evenly over the ranks that save them (a DTensor replicated over some mesh dimensions,
+        as under HSDP, counts once per replica). Pass plain state dicts: a ``Stateful`` object
+        (DCP's ``AppState`` pattern) counts for nothing here; pass its ``state_dict()``.
         """
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         shards = replicated = 0
         for value in _tensors(state_dict):
             if isinstance(value, DTensor):
-                shards += value.to_local().nbytes
+                # DCP keeps one copy of each chunk: replicas of a shard share its offsets.
+                replicas = 1
+                for dim, placement in enumerate(value.placements):
+                    if not placement.is_shard():
+                        replicas *= value.device_mesh.size(dim)
+                shards += -(-value.to_local().nbytes // replicas)
             elif isinstance(value, ShardedTensor):
                 shards += sum(s.tensor.nbytes for s in value.local_shards())
             else:

@@ -138,6 +138,34 @@ def split_store_path(path: str) -> tuple[str, str | None]:
     return url, checkpoint_id or None
 
 
+def _is_directory(path: str) -> bool:
+    """Whether fsspec finds a directory at ``path``; False for a protocol it does not know
+    (a mistyped store scheme, whose error would otherwise hide the message below)."""
+    try:
+        return bool(filesystem.isdir(path))
+    except (ValueError, ImportError):
+        return False
+
+
+def _on_rank_0(choose: Any) -> Any:
+    """``choose()`` on rank 0, its answer on every rank (``choose()`` alone without a group)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return choose()
+    found: list[Any] = [None, None]
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            found[0] = choose()
+        except Exception as e:  # every rank raises, none waits for the others
+            error, found[1] = e, f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(found, src=0)
+    if error is not None:
+        raise error
+    if found[1] is not None:
+        raise KVCheckpointError(f"rank 0 failed: {found[1]}")
+    return found[0]
+
+
 class KVCheckpointManager(CheckpointManager):
     """torchtitan's ``CheckpointManager`` saving to and loading from a kvckpt store.
 
@@ -183,6 +211,15 @@ class KVCheckpointManager(CheckpointManager):
                         f"one of the schemes {', '.join(BUILTIN_SCHEMES)} (a directory belongs "
                         "in torchtitan's CheckpointManager.Config.folder)"
                     )
+
+        def to_dict(self) -> dict:
+            """torchtitan's serialized config, with the store URLs' passwords masked: the
+            trainer prints it, saves it and hands it to its metrics backends (WandB,
+            TensorBoard)."""
+            out = CheckpointManager.Config.to_dict(self)
+            out["store_url"] = mask_url(self.store_url) if self.store_url else ""
+            out["replica_urls"] = [mask_url(u) for u in self.replica_urls]
+            return out
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
@@ -293,8 +330,8 @@ class KVCheckpointManager(CheckpointManager):
         return reader
 
     def _writer(self) -> KVStorageWriter:
-        if not self.replica_urls:
-            return KVStorageWriter(self.store_url, keep_last=self.keep_latest_k or None)
+        # One Tiers (one store, or the store and its replicas) for the whole run: its engines,
+        # and their connections, are opened once and closed by ``_close``.
         if self.tiers is None:
             self.tiers = Tiers(
                 [self.store_url, *self.replica_urls], keep_last=self.keep_latest_k or None
@@ -377,7 +414,7 @@ class KVCheckpointManager(CheckpointManager):
         if is_store_url(checkpoint_id):
             url, cid = split_store_path(checkpoint_id)
             if cid is None:
-                cid = latest_checkpoint(url)
+                cid = _on_rank_0(lambda: latest_checkpoint(url))  # every rank loads the same
                 if cid is None:
                     raise CheckpointNotFoundError(
                         f"checkpoint.initial_load_path {mask_url(url)!r} holds no complete "
@@ -429,8 +466,13 @@ class KVCheckpointManager(CheckpointManager):
                 raise ValueError("A quantized checkpoint loads only in Hugging Face format.")
             if self.initial_load_path:
                 checkpoint_id = self.initial_load_path
-                if not is_store_url(checkpoint_id) and not filesystem.isdir(checkpoint_id):
-                    raise ValueError(f"Checkpoint.initial_load_path is invalid: {checkpoint_id}")
+                if not is_store_url(checkpoint_id) and not _is_directory(checkpoint_id):
+                    shown = mask_url(checkpoint_id) if "://" in checkpoint_id else checkpoint_id
+                    raise ValueError(
+                        f"checkpoint.initial_load_path {shown!r} is neither a kvckpt store URL "
+                        f"(schemes: {', '.join(BUILTIN_SCHEMES)}; add #<checkpoint id> for one "
+                        "checkpoint) nor a DCP checkpoint directory"
+                    )
             elif from_hf:
                 if not (self.sd_adapter and self.sd_adapter.hf_assets_path):
                     raise ValueError("from_hf=True requires sd_adapter and hf_assets_path.")

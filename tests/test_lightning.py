@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -327,6 +328,27 @@ def test_model_checkpoint_top_k_last_and_resume(store_url: str, tmp_path: Path) 
     assert start.step == 8 and resumed.global_step == 10
     files = sorted(p.name for p in ckpts.iterdir())
     assert files == ["epoch=3-step=8.ckpt", "epoch=4-step=10.ckpt", "last.ckpt"]
+
+
+def test_removing_a_last_link_leaves_the_linked_checkpoint(lmdb_url: str, tmp_path: Path) -> None:
+    """``save_last="link"`` makes ``last`` a symlink to a top-k pointer file (or, where links
+    are not available, a copy of it), and Lightning removes the previous ``last`` when its name
+    changes ("{epoch}-last"): that removal must not delete the top-k checkpoint it points to."""
+    io = KVCheckpointIO(lmdb_url)
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    top = ckpts / "epoch=0-step=2.ckpt"
+    io.save_checkpoint({"global_step": 2, "w": torch.ones(3)}, top)
+    link, copied = ckpts / "0-last.ckpt", ckpts / "1-last.ckpt"
+    os.symlink(top.name, link)
+    shutil.copy(top, copied)
+    io.remove_checkpoint(link)
+    io.remove_checkpoint(copied)
+    assert not link.exists() and not copied.exists() and top.exists()
+    assert [i.checkpoint_id for i in list_checkpoints(lmdb_url)] == [io.checkpoint_id(top)]
+    assert torch.equal(io.load_checkpoint(top)["w"], torch.ones(3))
+    io.remove_checkpoint(top)  # its own pointer: the store's checkpoint goes too
+    assert list_checkpoints(lmdb_url) == [] and not top.exists()
 
 
 @pytest.mark.parametrize("kind", ["lmdb", "tiers"])

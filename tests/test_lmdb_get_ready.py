@@ -96,7 +96,7 @@ def test_a_restarted_process_keeps_the_pages_the_store_got_ready(shm_dir: Path) 
     smaller than the used pages becomes just the used pages: a restart opening the store with
     the default map size would free every page ``get_ready`` allocated for the next saves,
     which would then allocate them again. The store opens at its file's size instead."""
-    url = f"lmdb://{shm_dir}/store?map_size=64MiB"  # get_ready grows the map to 1 GiB
+    url = f"lmdb://{shm_dir}/store?map_size=64MiB"  # the save and get_ready grow it
     dcp.save(state(64, 1.0), storage_writer=KVStorageWriter(url, keep_last=2), checkpoint_id="a")
     wait_populated(shared_env(shm_dir / "store"))
     data = shm_dir / "store" / "data.mdb"
@@ -114,6 +114,27 @@ def test_a_restarted_process_keeps_the_pages_the_store_got_ready(shm_dir: Path) 
     after = os.stat(data)
     assert after.st_size == before.st_size
     assert after.st_blocks == before.st_blocks
+
+
+def test_a_remap_never_cuts_the_file_back(shm_dir: Path) -> None:
+    """With writemap LMDB truncates the data file to the map size at every remap: a smaller map
+    (adopting another process's committed size, or asking for less) would free the pages made
+    ready for the next saves, and make a process with a larger map fault (SIGBUS) past the new
+    end of the file. A remap never goes below the file's size."""
+    url = f"lmdb://{shm_dir}/store?map_size=64MiB"
+    dcp.save(state(64, 1.0), storage_writer=KVStorageWriter(url, keep_last=2), checkpoint_id="a")
+    shared = shared_env(shm_dir / "store")
+    wait_populated(shared)
+    data = shm_dir / "store" / "data.mdb"
+    before = os.stat(data)
+    assert before.st_size > 2 * 64 * MIB  # room for the next saves, past the used pages
+    shared.set_mapsize(64 * MIB)  # asks for less than the file holds
+    shared.set_mapsize(0)  # adopts the committed size
+    after = os.stat(data)
+    assert after.st_size == before.st_size and after.st_blocks == before.st_blocks
+    out = state(64, 0.0)
+    dcp.load(out, storage_reader=KVStorageReader(url, checkpoint_id="a"))
+    assert torch.equal(out["w"], state(64, 1.0)["w"])
 
 
 def test_a_remap_stops_a_background_fault_in_and_forgets_what_was_mapped(shm_dir: Path) -> None:

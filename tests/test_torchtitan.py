@@ -92,6 +92,12 @@ def test_config_checks_its_fields(lmdb_url: str, tmp_path: Path) -> None:
     cfg = KVCheckpointManager.Config(enable=True, store_url=f" {lmdb_url} ")
     assert cfg.store_url == lmdb_url and cfg.weights_only
     assert cfg.to_dict()["store_url"] == lmdb_url
+    # The trainer prints, saves and logs (WandB, TensorBoard) its config: no passwords in it.
+    secret = KVCheckpointManager.Config(
+        enable=True, store_url="redis://:hunter2@h:6379/0", replica_urls=["redis://u:pw2@r/0"]
+    ).to_dict()
+    assert secret["store_url"] == "redis://:***@h:6379/0"
+    assert secret["replica_urls"] == ["redis://u:***@r/0"]
     with pytest.raises(ValueError, match="store_url is required"):
         KVCheckpointManager.Config(enable=True)
     with pytest.raises(ValueError, match="not a kvckpt store URL"):
@@ -375,8 +381,13 @@ def test_initial_load_path_full_state_and_errors(
         job.checkpointer.load()
     assert not (tmp_path / "missing").exists()
     job = make_job(config(lmdb_url, initial_load_path=str(tmp_path / "nope")), tmp_path)
-    with pytest.raises(ValueError, match="initial_load_path is invalid"):
+    with pytest.raises(ValueError, match=r"is neither a kvckpt store URL .* nor a DCP checkpoint"):
         job.checkpointer.load()
+    for typo in ("reddis://:hunter2@h:6379/0", "memory://:hunter2@h/x"):  # not stores
+        job = make_job(config(lmdb_url, initial_load_path=typo), tmp_path)
+        with pytest.raises(ValueError, match="is neither a kvckpt store URL") as err:
+            job.checkpointer.load()
+        assert "hunter2" not in str(err.value) and ":***@h" in str(err.value)
 
 
 # -- safety ---------------------------------------------------------------------------------

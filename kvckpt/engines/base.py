@@ -1,7 +1,7 @@
 """The engine interface: the few byte-level operations kvckpt needs from a key-value store.
 
 An engine knows nothing of torch or DCP. Keys are ``str``; values are bytes-like. A new backend
-is one module with one ``Engine`` subclass, registered under a URL scheme (see ``kvckpt.urls``).
+is one module with one ``Engine`` subclass, registered under a URL scheme (see ``kvckpt.stores``).
 Engines must be picklable (``dcp.async_save`` with a process executor sends the writer to another
 process) and must open connections lazily so a pickled engine reconnects on first use.
 """

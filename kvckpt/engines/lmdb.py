@@ -172,17 +172,11 @@ class _SharedEnv:
     _idle: OrderedDict[tuple[int, str], None] = OrderedDict()
 
     def __init__(self, path: str, map_size: int, sync: bool, writemap: bool) -> None:
-        if writemap:
-            # With writemap, LMDB truncates the data file to the map size when it opens it, and
-            # a map size below the used pages becomes exactly the used pages. A store that got
-            # ready for its next saves (``get_ready``) has pages allocated past them: opening it
-            # with a smaller map would free them (0.6 s for 4 GiB on a tmpfs, at a restart)
-            # and the next saves would allocate them all over again. Open at the file's size.
-            with contextlib.suppress(OSError):
-                map_size = max(map_size, os.path.getsize(os.path.join(path, "data.mdb")))
+        self.writemap = writemap
+        self.data_file = os.path.join(path, "data.mdb")
         self.env = lmdb.open(
             path,
-            map_size=map_size,
+            map_size=self._not_below_the_file(map_size),
             subdir=True,
             max_readers=1024,
             writemap=writemap,
@@ -235,11 +229,33 @@ class _SharedEnv:
                 self._populating -= 1
                 self._cond.notify_all()
 
+    def _not_below_the_file(self, size: int) -> int:
+        """A map size that never shrinks the data file. With writemap, LMDB truncates the file
+        to the map size whenever it maps it (open, ``set_mapsize``), and a map below the used
+        pages becomes exactly the used pages. That would free the pages a store got ready for
+        its next saves (``get_ready``): 0.6 s for 4 GiB at a restart that opened with the default
+        map size, and the next saves allocating them all over again. Worse, another process of
+        the node with a larger map (it grew the map and has not committed yet) would get SIGBUS
+        writing past the new end of the file. Size 0 (adopt the size another process committed)
+        becomes the file's size where that is larger than this process's map: a writemap
+        process that grew the map made the file that long, so it is at least the size
+        committed, and the file is not cut back to a committed size that is smaller."""
+        if not self.writemap:
+            return size
+        try:
+            length = os.path.getsize(self.data_file)
+        except OSError:
+            return size
+        if size == 0:
+            current = getattr(self, "env", None)
+            return length if current is None or length > current.info()["map_size"] else 0
+        return max(size, length)
+
     def set_mapsize(self, size: int) -> None:
         with self._cond:
             self.generation += 1  # a background fault-in stops after its current piece
             self._cond.wait_for(lambda: self._readers == 0 and self._populating == 0)
-            self.env.set_mapsize(size)
+            self.env.set_mapsize(self._not_below_the_file(size))
             # A remap is a new mapping: none of its pages are in the page tables yet.
             self.populated = 0
 
@@ -474,7 +490,8 @@ class LMDBEngine(Engine):
         shared = self._env
         with shared.write_lock:
             self._grow(shared, nbytes)
-            self._preallocate(shared, nbytes)
+            if self._tmpfs:  # elsewhere the pages would be page cache to write back: per batch
+                self._preallocate(shared, nbytes)
 
     def get_ready(self, nbytes: int, copies: int | None) -> None:
         """Make the next save of about ``nbytes`` write into memory that is already allocated and
