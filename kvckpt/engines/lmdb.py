@@ -246,9 +246,8 @@ class _SharedEnv:
             length = os.path.getsize(self.data_file)
         except OSError:
             return size
-        if size == 0:
-            current = getattr(self, "env", None)
-            return length if current is None or length > current.info()["map_size"] else 0
+        if size == 0:  # (only ever asked of an open environment)
+            return length if length > self.env.info()["map_size"] else 0
         return max(size, length)
 
     def set_mapsize(self, size: int) -> None:
