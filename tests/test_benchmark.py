@@ -128,6 +128,7 @@ def test_goodput_smoke_run(tmp_path) -> None:
         "goodput.py",
         *("--width", "32", "--layers", "1", "--steps", "3000", "--kills", "5"),
         *("--calibrate-saves", "1", "--calibrate-warmup", "1", "--calibrate-every", "3"),
+        *("--verify-steps", "6", "--verify-tries", "2"),
         *("--repeats", "1", "--systems", "lmdb,tiers"),
         *("--max-busy", "1", "--out", str(out)),
         timeout=600,
@@ -135,6 +136,11 @@ def test_goodput_smoke_run(tmp_path) -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     data = json.loads((out / "goodput.json").read_text())
     assert set(data["failures"]) == {"lmdb", "tiers"}
+    for system in ("lmdb", "tiers"):  # each interval was measured before the failure runs
+        chosen = data["calibration"][system]
+        assert 1 <= len(chosen["verified"]) <= 2
+        assert data["failures"][system]["interval"] == chosen["interval"]
+        assert chosen["interval"] >= chosen["verified"][-1]["interval"]
     for run in data["failures"].values():
         (failure,) = run["failures"]
         assert failure["lost"] == pytest.approx(
