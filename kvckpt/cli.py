@@ -12,7 +12,7 @@ import functools
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -25,6 +25,9 @@ from .errors import (
     StoreUnavailableError,
 )
 from .stores import open_store
+
+if TYPE_CHECKING:
+    from .format import CheckpointRecord
 
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_DAMAGED = range(6)
 
@@ -154,20 +157,29 @@ def ls_command(url: str, show_all: bool, as_json: bool) -> None:
 @main.command("info")
 @click.argument("url")
 @click.argument("checkpoint_id")
+@click.option(
+    "--keys", "show_keys", is_flag=True, help="List each item's data keys in the store instead."
+)
 @json_option
 @handle_errors
-def info_command(url: str, checkpoint_id: str, as_json: bool) -> None:
+def info_command(url: str, checkpoint_id: str, show_keys: bool, as_json: bool) -> None:
     """Show a checkpoint's tensors: fqn, dtype, global shape, chunks, bytes.
 
+    With --keys, each write item instead (a tensor's chunk, or an object): its fqn, offsets,
+    the rank that wrote it, and the store key of each of its parts, to look at with the
+    store's own tools (redis-cli, mdb_dump).
+
     \b
-    Example:
+    Examples:
       kvckpt info lmdb:///dev/shm/ckpt step-100
+      kvckpt info redis://host:6379 step-100 --keys
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from .format import dtype_name
 
-    records = transfer._records(open_store(url, create=False), checkpoint_id)
+    engine = open_store(url, create=False)
+    records = transfer._records(engine, checkpoint_id)
     md = records[0].metadata
     nbytes: dict[str, int] = {}
     for record in records:
@@ -206,8 +218,12 @@ def info_command(url: str, checkpoint_id: str, as_json: bool) -> None:
         "rank_local": head.rank is not None,
         "total_bytes": sum(r.total_bytes for r in records),
         "items": sum(len(r.locations) for r in records),
+        "format_version": head.format_version,
         "tensors": entries,
     }
+    if show_keys:
+        _show_keys(engine.prefix, records, summary, as_json)
+        return
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return
@@ -215,6 +231,7 @@ def info_command(url: str, checkpoint_id: str, as_json: bool) -> None:
     click.echo(f"created     {_time(max(r.created_at for r in records))}")
     click.echo(f"world size  {head.world_size}")
     click.echo(f"size        {human_bytes(summary['total_bytes'])} in {summary['items']} items")
+    click.echo(f"format      {head.format_version}")
     click.echo("")
     rows = [
         (
@@ -227,6 +244,48 @@ def info_command(url: str, checkpoint_id: str, as_json: bool) -> None:
         for e in entries
     ]
     click.echo(table(("FQN", "DTYPE", "SHAPE", "CHUNKS", "BYTES"), rows, {3, 4}))
+
+
+def _show_keys(
+    prefix: str, records: list[CheckpointRecord], summary: dict[str, Any], as_json: bool
+) -> None:
+    """``kvckpt info --keys``: every item of ``records`` and its data keys, in reading order."""
+    from .format import part_ranges
+
+    items = [
+        {
+            "fqn": index.fqn,
+            "offsets": None if index.offset is None else list(index.offset),
+            "rank": loc.rank,
+            "bytes": loc.nbytes,
+            "part_bytes": loc.part_bytes,
+            "keys": loc.keys(prefix, record.checkpoint_id, record.save_id),
+        }
+        for record in records
+        for index, loc in sorted(record.locations.items(), key=lambda kv: (kv[1].rank, kv[1].n))
+    ]
+    if as_json:
+        del summary["tensors"]
+        click.echo(json.dumps({**summary, "write_items": items}, indent=2))
+        return
+    click.echo(
+        f"checkpoint {summary['checkpoint_id']}: {len(items)} items, format "
+        f"{summary['format_version']}"
+    )
+    rows = [
+        (
+            item["fqn"],
+            "-" if item["offsets"] is None else "[" + ", ".join(map(str, item["offsets"])) + "]",
+            item["rank"],
+            human_bytes(stop - start),
+            key,
+        )
+        for item in items
+        for key, (start, stop) in zip(
+            item["keys"], part_ranges(item["bytes"], item["part_bytes"]), strict=True
+        )
+    ]
+    click.echo(table(("FQN", "OFFSETS", "RANK", "BYTES", "KEY"), rows, {2, 3}))
 
 
 @main.command("rm")

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import gc
 import math
+import re
 import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
+from urllib.parse import quote
 
 import msgpack
 import torch
@@ -36,7 +38,8 @@ from .urls import validate_name
 MAGIC = "kvckpt"
 #: The checksum algorithm of docs/FORMAT.md: xxHash XXH3, 64 bits, seed 0, of each part.
 CHECKSUM = "xxh3_64"
-FORMAT_VERSION = 1
+#: The format version new saves write; every older one stays readable (docs/FORMAT.md).
+FORMAT_VERSION = 2
 _EXT_TUPLE = 1
 #: Bounds that keep a hostile metadata value from making the decoder allocate without limit.
 MAX_METADATA_BYTES = 1 << 30
@@ -101,6 +104,43 @@ def spare_key(prefix: str, data_key: str) -> str:
     return spare_prefix(prefix) + "/".join(data_key.rsplit("/", 3)[-3:])
 
 
+#: The longest item name in a data key (format 2): with the longest prefix and checkpoint id,
+#: a million ranks and ``MAX_PARTS`` parts, a data key stays within LMDB's 511-byte keys.
+MAX_ITEM_NAME = 120
+#: Characters an item name (format 2) consists of: RFC 3986's unreserved characters, which
+#: percent-encoding leaves as they are, and ``%`` (escapes), ``@`` (before the offsets), ``,``
+#: (between offsets) and ``+`` (before the hash of a long name), which it never leaves.
+ITEM_NAME = re.compile(rf"[A-Za-z0-9._~%@,+-]{{0,{MAX_ITEM_NAME}}}")
+_UNRESERVED = re.compile(r"[A-Za-z0-9._~-]*")
+
+
+@lru_cache(maxsize=1 << 17)
+def item_name(fqn: str, offsets: tuple[int, ...] | None) -> str:
+    """An item's name in its data keys (format 2): its fqn percent-encoded as UTF-8 (every
+    character but ``A-Z a-z 0-9 . _ ~ -``, so ``/``, Redis glob and hash-tag characters,
+    whitespace and non-ASCII never appear raw), then for a tensor item ``@`` and its chunk
+    offsets joined by ``,``. A name longer than ``MAX_ITEM_NAME`` keeps its first characters
+    (never cutting an escape) and ends in ``+`` and the 16 hex digits of the XXH3-64 of the
+    whole name. Two items of one rank's plan never share a name: escaping is one-to-one and
+    ``+`` never appears in an unhashed name (the writer checks, too). Cached: a job saves the
+    same state dict's names every time."""
+    name = fqn if _UNRESERVED.fullmatch(fqn) else quote(fqn, safe="")
+    if offsets is not None:
+        name += "@" + ",".join(map(str, offsets))
+    if len(name) <= MAX_ITEM_NAME:
+        return name
+    head = name[: MAX_ITEM_NAME - 17]
+    cut = head.rfind("%", len(head) - 2)  # an escape is three characters: never split one
+    if cut >= 0:
+        head = head[:cut]
+    return f"{head}+{xxhash.xxh3_64_hexdigest(name.encode())}"
+
+
+def index_name(index: MetadataIndex) -> str:
+    """``item_name`` of a DCP ``MetadataIndex`` (an object item has no offsets)."""
+    return item_name(index.fqn, None if index.offset is None else tuple(index.offset))
+
+
 def checksum(data: memoryview | bytes) -> int:
     """The checksum of one value (one part of an item)."""
     return xxhash.xxh3_64_intdigest(data)
@@ -124,11 +164,14 @@ class ItemLocation:
     """Where one write item's bytes live: DCP's per-item ``storage_data`` for kvckpt."""
 
     rank: int
+    #: The item's position in its rank's save plan (the order reads go in; format 1's keys).
     n: int
     nbytes: int
     part_bytes: int
     #: xxh3_64 of each part's bytes, or None if the save recorded no checksums.
     checksums: tuple[int, ...] | None = None
+    #: The item's name in its data keys (``item_name``); None in format 1, which keys by ``n``.
+    name: str | None = None
 
     def split(
         self, view: memoryview, prefix: str, checkpoint_id: str, save_id: str
@@ -139,7 +182,8 @@ class ItemLocation:
             yield key, view[start:stop]
 
     def keys(self, prefix: str, checkpoint_id: str, save_id: str) -> list[str]:
-        base = f"{prefix}/data/{checkpoint_id}/{save_id}/{self.rank}/{self.n}/"
+        name = self.n if self.name is None else self.name
+        base = f"{prefix}/data/{checkpoint_id}/{save_id}/{self.rank}/{name}/"
         if self.nbytes <= self.part_bytes:
             return [base + "0"]
         return [f"{base}{i}" for i in range(-(-self.nbytes // self.part_bytes))]
@@ -156,6 +200,8 @@ class CheckpointRecord:
     rank: int | None
     total_bytes: int
     metadata: Metadata  # storage_data: dict[MetadataIndex, ItemLocation]
+    #: The format version the metadata was written in (docs/FORMAT.md).
+    format_version: int = FORMAT_VERSION
 
     @property
     def locations(self) -> dict[MetadataIndex, ItemLocation]:
@@ -298,13 +344,32 @@ def _encode_metadata(
             loc.nbytes,
             loc.part_bytes,
             None if loc.checksums is None else list(loc.checksums),
+            loc.name,
         ]
         for idx, loc in locations.items()
     ]
+    # The metadata says where the data is: locations of a format 1 save (no names, keys by
+    # plan position; metadata rewritten in place, as Megatron's removal of tensors does)
+    # stay format 1, and any other save is format 2 throughout.
+    version = FORMAT_VERSION
+    if items and all(item[7] is None for item in items):
+        version = 1
+    elif any(item[7] is None for item in items):
+        raise ValueError(
+            f"checkpoint {checkpoint_id!r}: items located by format 1 keys and by format 2 "
+            "keys cannot be in one checkpoint"
+        )
+    if len({(item[2], item[3 if version == 1 else 7]) for item in items}) != len(items):
+        raise ValueError(
+            f"checkpoint {checkpoint_id!r}: two items of one rank have the same data keys "
+            "(in format 2, a hash collision of two long fqns): rename one of them"
+        )
+    if version == 1:
+        items = [item[:7] for item in items]
     sm = metadata.storage_meta
     doc = {
         "magic": MAGIC,
-        "version": FORMAT_VERSION,
+        "version": version,
         "checkpoint_id": checkpoint_id,
         "save_id": save_id,
         "created_at": time.time() if created_at is None else created_at,
@@ -427,14 +492,28 @@ def _decode_header(raw: bytes, where: str) -> tuple[_Checker, dict[str, Any], st
     return chk, doc, checkpoint_id, save_id
 
 
-def _item_fields(chk: _Checker, item: Any) -> tuple[str, Any, int, int, int, int, Any]:
+def _item_fields(
+    chk: _Checker, item: Any, version: int
+) -> tuple[str, Any, int, int, int, int, Any, str | None]:
     """One entry of 'items', its scalar fields checked: (fqn, offsets, rank, n, nbytes,
-    part_bytes, checksums)."""
-    if type(item) is not list or len(item) not in (6, 7) or type(item[0]) is not str:
+    part_bytes, checksums, name); name is None in format 1."""
+    if (
+        type(item) is not list
+        or type(item[0]) is not str
+        or len(item) not in ((6, 7) if version == 1 else (8,))
+    ):
+        fields = "fqn, offsets, rank, n, nbytes, part_bytes, checksums"
         raise chk.fail(
-            f"item {str(item)[:80]} should be [fqn, offsets, rank, n, nbytes, part_bytes, "
-            "checksums]"
+            f"item {str(item)[:80]} should be [{fields}{', name' if version > 1 else ''}]"
         )
+    name = None
+    if version > 1:
+        name = item[7]
+        if type(name) is not str or not ITEM_NAME.fullmatch(name):
+            raise chk.fail(
+                f"item {item[0]!r}: name {str(name)[:80]!r} should be at most {MAX_ITEM_NAME} "
+                "of A-Z a-z 0-9 . _ ~ % @ , + -"
+            )
     fqn, offsets, irank, n, nbytes, part_bytes = item[:6]
     if (
         type(irank) is not int
@@ -451,7 +530,7 @@ def _item_fields(chk: _Checker, item: Any) -> tuple[str, Any, int, int, int, int
         raise chk.fail(
             f"item {fqn!r}: {nbytes} bytes in parts of {part_bytes} is more than {MAX_PARTS} parts"
         )
-    return fqn, offsets, irank, n, nbytes, part_bytes, item[6] if len(item) == 7 else None
+    return fqn, offsets, irank, n, nbytes, part_bytes, item[6] if len(item) > 6 else None, name
 
 
 def decode_data_keys(
@@ -468,9 +547,11 @@ def decode_data_keys(
         if named != checkpoint_id:
             raise chk.fail(f"it names checkpoint {named!r}, not {checkpoint_id!r}")
         keys: list[str] = []
+        version = doc["version"]
         for item in chk.get(doc, "items", list):
-            _, _, irank, n, nbytes, part_bytes, _ = _item_fields(chk, item)
-            keys += ItemLocation(irank, n, nbytes, part_bytes).keys(prefix, checkpoint_id, save_id)
+            _, _, irank, n, nbytes, part_bytes, _, name = _item_fields(chk, item, version)
+            loc = ItemLocation(irank, n, nbytes, part_bytes, name=name)
+            keys += loc.keys(prefix, checkpoint_id, save_id)
         return save_id, keys
 
 
@@ -529,8 +610,14 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
         sd_meta[fqn] = BytesStorageMetadata()
 
     locations: dict[MetadataIndex, ItemLocation] = {}
+    version = doc["version"]
+    named: set[tuple[int, int | str]] = set()
     for item in chk.get(doc, "items", list):
-        fqn, offsets, irank, n, nbytes, part_bytes, sums = _item_fields(chk, item)
+        fqn, offsets, irank, n, nbytes, part_bytes, sums, name = _item_fields(chk, item, version)
+        slot = (irank, n if name is None else name)
+        if slot in named:
+            raise chk.fail(f"item {fqn!r}: another item of rank {irank} has the same data keys")
+        named.add(slot)
         if offsets is None:
             if type(sd_meta.get(fqn)) is not BytesStorageMetadata:
                 raise chk.fail(f"object item {fqn!r} is not declared in 'objects'")
@@ -556,7 +643,7 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
             ):
                 raise chk.fail(f"item {fqn!r}: checksums should be one 64-bit int per part")
             sums = tuple(sums)
-        locations[index] = ItemLocation(irank, n, nbytes, part_bytes, sums)
+        locations[index] = ItemLocation(irank, n, nbytes, part_bytes, sums, name)
 
     sm = chk.get(doc, "storage_meta", dict, optional=True)
     storage_meta = None
@@ -586,4 +673,5 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
         rank=rank,
         total_bytes=chk.get(doc, "total_bytes", int),
         metadata=metadata,
+        format_version=version,
     )

@@ -72,6 +72,7 @@ from .format import (
     checksum,
     decode_metadata,
     gc_paused,
+    index_name,
     meta_key,
     meta_prefix,
     new_checksum,
@@ -108,6 +109,7 @@ def _with_checksums(result: WriteResult, checksums: tuple[int, ...]) -> WriteRes
             nbytes=loc.nbytes,
             part_bytes=loc.part_bytes,
             checksums=checksums,
+            name=loc.name,
         ),
     )
 
@@ -436,7 +438,9 @@ class KVStorageWriter(_KVStorageBase, StorageWriter, BlockingAsyncStager):
                     view = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
                 else:
                     view = tensor_bytes(data)
-                loc = ItemLocation(where.rank, n, view.nbytes, part_bytes)
+                loc = ItemLocation(
+                    where.rank, n, view.nbytes, part_bytes, name=index_name(item.index)
+                )
                 if hash_pool is not None:
                     # Large parts are hashed on another core while the engine sends (xxhash
                     # releases the GIL); small ones inline, where a hand-off costs more.
@@ -954,9 +958,10 @@ def check_weights_only(data: bytes, what: str, opt_out: str) -> None:
 
 def key_fqn(items: list[_ItemRead], key: str) -> str:
     """The fqn a data key belongs to (for error messages only)."""
-    rank, n = key.split("/")[-3:-1]
+    rank, name = key.split("/")[-3:-1]
     for item in items:
-        if (str(item.loc.rank), str(item.loc.n)) == (rank, n):
+        loc = item.loc
+        if (str(loc.rank), str(loc.n) if loc.name is None else loc.name) == (rank, name):
             return item.index.fqn
     return "?"
 

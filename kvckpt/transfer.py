@@ -39,6 +39,7 @@ from .format import (
     checksum,
     chunk_of,
     chunk_table,
+    index_name,
     part_ranges,
 )
 from .storage import (
@@ -135,6 +136,7 @@ class VerifyReport:
 
 
 def located(
+    index: MetadataIndex,
     rank: int,
     n: int,
     view: memoryview,
@@ -142,10 +144,11 @@ def located(
     *,
     sums: bool,
 ) -> ItemLocation:
-    """The location of an item about to be written, with its parts' checksums if wanted."""
+    """The location (current format: keys named by ``index``) of an item about to be
+    written, with its parts' checksums if wanted."""
     ranges = part_ranges(view.nbytes, part_bytes)
     checksums = tuple(checksum(view[a:b]) for a, b in ranges) if sums else None
-    return ItemLocation(rank, n, view.nbytes, part_bytes, checksums)
+    return ItemLocation(rank, n, view.nbytes, part_bytes, checksums, index_name(index))
 
 
 def verify(store: str | Engine, checkpoint_id: str, *, progress: bool = False) -> VerifyReport:
@@ -278,6 +281,7 @@ def _copy_record(
         with _progress(record.total_bytes, f"copy {target}", progress) as bar:
             for index, loc, view in read_items(src, record):
                 new = located(
+                    index,
                     loc.rank,
                     loc.n,
                     view,
@@ -443,7 +447,7 @@ def import_checkpoint(
             with _progress(total, f"import {checkpoint_id}", progress) as bar:
                 for n, (index, info) in enumerate(items):
                     view = _read_dcp_item(src, md, chunks, index, info, handles)
-                    loc = located(0, n, view, part_bytes, sums=engine.checksums_by_default)
+                    loc = located(index, 0, n, view, part_bytes, sums=engine.checksums_by_default)
                     locations[index] = loc
                     yield from loc.split(view, engine.prefix, checkpoint_id, save_id)
                     bar.update(int(info.length))
