@@ -27,11 +27,12 @@ from .manage import (
     latest_checkpoint,
     list_checkpoints,
 )
+from .reader import KVStorageReader
 from .staging import background_stager
-from .storage import KVStorageReader, KVStorageWriter
 from .stores import open_store
 from .tiered import Restore, TieredStorageWriter, Tiers
 from .transfer import DirectoryReader
+from .writer import KVStorageWriter
 
 __all__ = [
     "CheckpointInfo",
@@ -66,4 +67,4 @@ __all__ = [
     "list_checkpoints",
     "open_store",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -80,10 +80,11 @@ from .errors import (
     UnsafeObjectError,
 )
 from .manage import delete_checkpoint, discard_save, list_checkpoints
-from .storage import KVStorageReader, KVStorageWriter, plain_types_allowed, refusal
+from .reader import KVStorageReader, plain_types_allowed, refusal
 from .stores import open_store
 from .tiered import Tiers
 from .urls import validate_name
+from .writer import KVStorageWriter
 
 __all__ = [
     "KVCheckpoint",

@@ -92,15 +92,10 @@ from .engines.base import Engine
 from .errors import InvalidCheckpointIdError, KVCheckpointError, MetadataError, UnsafeObjectError
 from .format import ItemLocation
 from .manage import list_checkpoints
-from .storage import (
-    KVStorageReader,
-    KVStorageWriter,
-    fetch_parts,
-    plain_types_allowed,
-    refusal,
-)
+from .reader import KVStorageReader, fetch_parts, plain_types_allowed, refusal
 from .stores import open_store
 from .urls import validate_name
+from .writer import KVStorageWriter
 
 __all__ = [
     "BACKEND",

@@ -59,9 +59,10 @@ from .engines.base import Engine
 from .errors import KVCheckpointError, ReplicationError
 from .format import ItemLocation, part_ranges, spare_key
 from .manage import NEVER, discard_save, gc, list_checkpoints
-from .storage import KVStorageReader, KVStorageWriter, _PlanData
+from .reader import KVStorageReader
 from .stores import open_store
 from .transfer import DirectoryReader, export_checkpoint
+from .writer import KVStorageWriter, _PlanData
 
 logger = logging.getLogger(__name__)
 

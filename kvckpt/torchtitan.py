@@ -81,12 +81,13 @@ from .errors import (
     StoreNotFoundError,
 )
 from .manage import latest_checkpoint, list_checkpoints
+from .reader import KVStorageReader
 from .staging import background_stager
-from .storage import KVStorageReader, KVStorageWriter
 from .stores import BUILTIN_SCHEMES, ENTRY_POINT_GROUP, open_store
 from .tiered import Tiers
 from .transfer import DirectoryReader
 from .urls import mask_url
+from .writer import KVStorageWriter
 
 __all__ = [
     "KVCheckpointManager",

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from tqdm import tqdm
 
+from .adapter import new_save_id
 from .catalog import mark_pending, publish, read_lease
 from .engines.base import Engine
 from .errors import DataError, KVCheckpointError, MetadataError
@@ -42,15 +43,10 @@ from .format import (
     index_name,
     part_ranges,
 )
-from .storage import (
-    KVStorageReader,
-    _new_save_id,
-    check_weights_only,
-    fetch_parts,
-    tensor_bytes,
-)
+from .reader import KVStorageReader, check_weights_only, fetch_parts
 from .stores import open_store
 from .urls import validate_name
+from .writer import tensor_bytes
 
 _BATCH_BYTES = 256 << 20
 
@@ -272,7 +268,7 @@ def copy_checkpoint(
 def _copy_record(
     src: Engine, record: CheckpointRecord, dst: Engine, target: str, progress: bool
 ) -> CheckpointRecord:
-    save_id = _new_save_id()
+    save_id = new_save_id()
     part_bytes = int(dst.max_value_bytes)
     mark_pending(dst, target, save_id, record.rank)
     locations: dict[MetadataIndex, ItemLocation] = {}
@@ -435,7 +431,7 @@ def import_checkpoint(
         if (m := re.match(r"__(\d+)_", str(info.relative_path)))
     }
     world_size = max(ranks) + 1 if ranks else 1
-    save_id = _new_save_id()
+    save_id = new_save_id()
     part_bytes = int(engine.max_value_bytes)
     mark_pending(engine, checkpoint_id, save_id, None)
     locations: dict[MetadataIndex, ItemLocation] = {}

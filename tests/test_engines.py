@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import pickle
 import random
-import threading
 from collections.abc import Iterator
 
 import fakeredis
@@ -12,6 +10,7 @@ import pytest
 
 from kvckpt import StoreUnavailableError, open_store
 from kvckpt.engines.base import Engine
+from kvckpt.engines.contract import ENGINE_CHECKS
 from kvckpt.engines.lmdb import LMDBEngine
 from kvckpt.engines.redis import RedisEngine
 from kvckpt.format import checksum, new_checksum
@@ -27,54 +26,10 @@ def collect(engine: Engine, keys: list[str]) -> list[bytes | None]:
     return out
 
 
-def test_put_get_scan_delete(store_url: str) -> None:
-    engine = open_store(store_url)
-    values = {f"t/a/{i}": bytes([i % 256]) * (i * 37) for i in range(200)}
-    values["t/big"] = b"\x07" * (3 << 20)  # sent zero-copy rather than coalesced
-    engine.put_many((k, memoryview(v)) for k, v in values.items())
-    keys = sorted(values)
-    assert collect(engine, [*keys, "t/missing"]) == [*(values[k] for k in keys), None]
-    assert sorted(engine.scan("t/a/")) == sorted(k for k in values if k.startswith("t/a/"))
-    assert engine.get("t/a/3") == values["t/a/3"]
-    assert engine.get("nope") is None
-    assert engine.delete(["t/a/1", "t/a/2", "nope"]) == 2
-    assert engine.delete_prefix("t/") == len(values) - 2
-    assert list(engine.scan("t/")) == []
-
-
-def test_scan_prefix_is_literal_not_a_glob(store_url: str) -> None:
-    engine = open_store(store_url)
-    engine.put_many([("g/a*b/1", b"x"), ("g/aXb/1", b"y"), ("g/a?b/1", b"z")])
-    assert sorted(engine.scan("g/a*b/")) == ["g/a*b/1"]
-    assert sorted(engine.scan("g/a?b/")) == ["g/a?b/1"]
-
-
-def test_transact_is_read_modify_write(store_url: str) -> None:
-    engine = open_store(store_url)
-
-    def bump(current: list[bytes | None]) -> dict[str, bytes | None]:
-        n = int(current[0] or 0)
-        return {"counter": str(n + 1).encode(), "gone": None}
-
-    engine.put_many([("gone", b"1")])
-    threads = [
-        threading.Thread(target=lambda: [engine.transact(["counter"], bump) for _ in range(20)])
-        for _ in range(4)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert engine.get("counter") == b"80"
-    assert engine.get("gone") is None
-
-
-def test_engines_pickle_and_reconnect(store_url: str) -> None:
-    engine = open_store(store_url)
-    engine.put_many([("p/1", b"abc")])
-    clone = pickle.loads(pickle.dumps(engine))
-    assert clone.get("p/1") == b"abc"
-    assert clone.url == engine.url
+@pytest.mark.parametrize("check", ENGINE_CHECKS, ids=lambda c: c.__name__)
+def test_engine_contract(store_url: str, check) -> None:  # type: ignore[no-untyped-def]
+    """Every check of kvckpt.engines.contract, which third-party engines run too."""
+    check(lambda: open_store(store_url))
 
 
 def test_lmdb_map_grows_instead_of_failing(tmp_path) -> None:
@@ -169,53 +124,6 @@ def test_lmdb_get_into(lmdb_url: str) -> None:
     bufs = [memoryview(bytearray(5)), memoryview(bytearray(2)), memoryview(bytearray(1))]
     assert engine.get_into(["x", "x", "nope"], bufs) == [5, 5, None]
     assert bytes(bufs[0]) == b"12345"
-
-
-def test_get_into_hashes_each_value_as_it_arrives(store_url: str) -> None:
-    """The digest passed to on_value is the format's checksum of the whole value, however the
-    engine split it while reading (socket reads, cache-sized pieces)."""
-    rng = random.Random(7)
-    values = {
-        "h/empty": b"",
-        "h/small": rng.randbytes(100),
-        "h/odd": rng.randbytes((3 << 20) + 12345),  # many recv() calls / pieces, ragged end
-    }
-    engine = open_store(store_url)
-    engine.put_many(values.items())
-    keys = ["h/small", "h/missing", "h/odd", "h/empty", "h/small"]
-    bufs = [memoryview(bytearray(len(values.get(k, b"?")))) for k in keys]
-    bufs[4] = memoryview(bytearray(3))  # the wrong size: not hashed, not reported
-    seen: dict[int, int | None] = {}
-    sizes = engine.get_into(keys, bufs, seen.__setitem__, new_checksum)
-    assert sizes == [100, None, len(values["h/odd"]), 0, 100]
-    assert seen == {i: checksum(values[keys[i]]) for i in (0, 2, 3)}
-    assert bytes(bufs[2]) == values["h/odd"]
-    # Without a hasher the callback still reports each value, with no digest.
-    seen.clear()
-    engine.get_into(keys[:1], bufs[:1], seen.__setitem__)
-    assert seen == {0: None}
-
-
-def test_put_many_hashes_each_value_as_it_is_sent(store_url: str) -> None:
-    """Engines that hash while writing report, for each value by its position, the format's
-    checksum of the whole value, however they cut it up for the socket; the values land
-    intact. Engines that do not (LMDB) take no hasher: the writer hashes for them."""
-    engine = open_store(store_url)
-    if not engine.hashes_while_writing:
-        assert isinstance(engine, LMDBEngine)
-        return
-    rng = random.Random(11)
-    values = [
-        ("w/empty", b""),
-        ("w/small", rng.randbytes(100)),
-        ("w/edge", rng.randbytes(64 * 1024)),  # the first size sent rather than coalesced
-        ("w/odd", rng.randbytes((3 << 20) + 12345)),  # many pieces, a ragged end
-        ("w/small2", rng.randbytes(7)),
-    ]
-    seen: dict[int, int | None] = {}
-    engine.put_many(iter(values), on_value=seen.__setitem__, hasher=new_checksum)
-    assert seen == {i: checksum(v) for i, (_, v) in enumerate(values)}
-    assert collect(engine, [k for k, _ in values]) == [v for _, v in values]
 
 
 def test_redis_put_many_hashes_across_pipelined_batches(redis_server, redis_url: str) -> None:  # type: ignore[no-untyped-def]

@@ -253,7 +253,7 @@ def test_restore_is_documented() -> None:
 
     import kvckpt.tiered
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parent.parent / "docs" / "TIERS.md").read_text()
     assert "kvckpt.Restore" in readme
     for field in dataclasses.fields(Restore):
         assert f"{field.name}:" in (Restore.__doc__ or ""), field.name

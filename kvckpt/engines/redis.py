@@ -100,6 +100,62 @@ def _no_such_key(error: redis.ResponseError) -> bool:
     return "no such key" in str(error).lower()
 
 
+class RedisSettings(Engine):
+    """What the single-server engine and the cluster engine (``redis_cluster.py``, one
+    ``RedisEngine`` per primary) share: kvckpt's own URL options, checked once, and the
+    engine's identity (its URL with the password masked, its prefix)."""
+
+    shared = True
+    supports_ttl = True
+    # hashing xxh3 on each piece of a value as it lands or just before it is sent (still in the
+    # CPU cache) costs no more than the noise of a loopback load or save with the server on the
+    # same 2 cores (benchmarks/run.py; docs/RELIABILITY.md)
+    checksums_by_default = True
+    hashes_while_writing = True
+
+    def _configure(
+        self,
+        url: str,
+        *,
+        prefix: str,
+        part_bytes: int,
+        pipeline_bytes: int,
+        allow_eviction: bool,
+        wait_replicas: int,
+        wait_timeout: float,
+        read_ahead_bytes: int,
+    ) -> None:
+        check_redis_options(url, part_bytes, wait_replicas, wait_timeout, read_ahead_bytes)
+        self._raw_url = url
+        self._prefix = validate_prefix(prefix)
+        self.max_value_bytes = part_bytes
+        self.pipeline_bytes = pipeline_bytes
+        self.read_ahead_bytes = read_ahead_bytes
+        self.allow_eviction = allow_eviction
+        self.wait_replicas = wait_replicas
+        self.wait_timeout = wait_timeout
+
+    def settings(self) -> dict[str, Any]:
+        """The options ``_configure`` took, as keyword arguments (for another engine)."""
+        return dict(
+            prefix=self._prefix,
+            part_bytes=self.max_value_bytes,
+            pipeline_bytes=self.pipeline_bytes,
+            allow_eviction=self.allow_eviction,
+            wait_replicas=self.wait_replicas,
+            wait_timeout=self.wait_timeout,
+            read_ahead_bytes=self.read_ahead_bytes,
+        )
+
+    @property
+    def url(self) -> str:
+        return mask_url(self._raw_url)
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+
 def check_redis_options(
     url: str, part_bytes: int, wait_replicas: int, wait_timeout: float, read_ahead_bytes: int
 ) -> None:
@@ -120,7 +176,7 @@ def check_redis_options(
         )
 
 
-class RedisEngine(Engine):
+class RedisEngine(RedisSettings):
     """``redis://[user:password@]host[:port][/db]``, ``rediss://...`` (TLS), ``unix:///path.sock``.
 
     kvckpt's own query options: ``prefix`` (key namespace), ``part_bytes`` (largest value per
@@ -133,14 +189,6 @@ class RedisEngine(Engine):
     overwrite in place, default 900; 0 deletes them at once).
     Every other query option goes to redis-py (``ssl_ca_certs``, ``socket_timeout``, ...).
     """
-
-    shared = True
-    supports_ttl = True
-    # hashing xxh3 on each piece of a value as it lands or just before it is sent (still in the
-    # CPU cache) costs no more than the noise of a loopback load or save with the server on the
-    # same 2 cores (benchmarks/run.py; docs/RELIABILITY.md)
-    checksums_by_default = True
-    hashes_while_writing = True
 
     def __init__(
         self,
@@ -156,20 +204,21 @@ class RedisEngine(Engine):
         read_ahead_bytes: int = DEFAULT_READ_AHEAD,
         spare_ttl: float = DEFAULT_SPARE_TTL,
     ) -> None:
-        check_redis_options(url, part_bytes, wait_replicas, wait_timeout, read_ahead_bytes)
+        self._configure(
+            url,
+            prefix=prefix,
+            part_bytes=part_bytes,
+            pipeline_bytes=pipeline_bytes,
+            allow_eviction=allow_eviction,
+            wait_replicas=wait_replicas,
+            wait_timeout=wait_timeout,
+            read_ahead_bytes=read_ahead_bytes,
+        )
         if spare_ttl < 0:
             raise InvalidURLError(
                 f"spare_ttl={spare_ttl:g} in {mask_url(url)} must be >= 0 seconds (0: no spares)"
             )
-        self._raw_url = url
         self._redis_url = redis_url or url
-        self._prefix = validate_prefix(prefix)
-        self.max_value_bytes = part_bytes
-        self.pipeline_bytes = pipeline_bytes
-        self.read_ahead_bytes = read_ahead_bytes
-        self.allow_eviction = allow_eviction
-        self.wait_replicas = wait_replicas
-        self.wait_timeout = wait_timeout
         self.spare_ttl = spare_ttl
         #: A new value written over a spare's memory skips the server's allocation of fresh
         #: pages, the slow part of a save into Redis on a VM (2x, benchmarks/job.py).
@@ -202,14 +251,6 @@ class RedisEngine(Engine):
         # geturl() would drop the "//" of unix:///path (an empty host), which redis-py refuses
         redis_url = f"{parts.scheme}://{parts.netloc}{parts.path}?{query}"
         return cls(url, redis_url=redis_url, **ours)
-
-    @property
-    def url(self) -> str:
-        return mask_url(self._raw_url)
-
-    @property
-    def prefix(self) -> str:
-        return self._prefix
 
     def __reduce__(self) -> Any:
         return (

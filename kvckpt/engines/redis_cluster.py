@@ -37,14 +37,13 @@ from ..urls import (
     DEFAULT_PREFIX,
     mask_url,
     split_options,
-    validate_prefix,
 )
-from .base import BytesLike, Consumer, Engine, Hasher, Update, ValueCallback
+from .base import BytesLike, Consumer, Hasher, Update, ValueCallback
 from .redis import (
     _MIB,
     DEFAULT_READ_AHEAD,
     RedisEngine,
-    check_redis_options,
+    RedisSettings,
     take_redis_options,
 )
 
@@ -101,7 +100,7 @@ def _cluster_errors(method: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
-class RedisClusterEngine(Engine):
+class RedisClusterEngine(RedisSettings):
     """``redis+cluster://[user:password@]host:port[,host:port...]`` (any nodes of the cluster:
     the rest are discovered) and ``rediss+cluster://`` for TLS.
 
@@ -109,11 +108,6 @@ class RedisClusterEngine(Engine):
     ``pipeline_bytes``, ``read_ahead_bytes``, ``allow_eviction``, ``wait_replicas``,
     ``wait_timeout``, redis-py connection options), applied to every primary.
     """
-
-    shared = True
-    supports_ttl = True
-    checksums_by_default = True
-    hashes_while_writing = True
 
     def __init__(
         self,
@@ -141,20 +135,21 @@ class RedisClusterEngine(Engine):
                     f"commas, not {item!r}"
                 )
             self.startup.append((host.strip("[]"), int(port)))
-        check_redis_options(url, part_bytes, wait_replicas, wait_timeout, read_ahead_bytes)
-        self._raw_url = url
+        self._configure(
+            url,
+            prefix=prefix,
+            part_bytes=part_bytes,
+            pipeline_bytes=pipeline_bytes,
+            allow_eviction=allow_eviction,
+            wait_replicas=wait_replicas,
+            wait_timeout=wait_timeout,
+            read_ahead_bytes=read_ahead_bytes,
+        )
         self.tls = parts.scheme == "rediss+cluster"
         self.username = unquote(parts.username) if parts.username else None
         self.password = unquote(parts.password) if parts.password else None
         if self.username and self.password is None:  # redis://secret@host, as redis-py reads it
             self.username, self.password = None, self.username
-        self._prefix = validate_prefix(prefix)
-        self.max_value_bytes = part_bytes
-        self.pipeline_bytes = pipeline_bytes
-        self.read_ahead_bytes = read_ahead_bytes
-        self.allow_eviction = allow_eviction
-        self.wait_replicas = wait_replicas
-        self.wait_timeout = wait_timeout
         self.redis_options = dict(redis_options or {})
         self._cluster_obj: RedisCluster | None = None
         self._nodes: dict[str, RedisEngine] = {}
@@ -166,14 +161,6 @@ class RedisClusterEngine(Engine):
         opts.setdefault("socket_connect_timeout", "2")
         opts.setdefault("socket_timeout", "300")
         return cls(url, redis_options=opts, **ours)
-
-    @property
-    def url(self) -> str:
-        return mask_url(self._raw_url)
-
-    @property
-    def prefix(self) -> str:
-        return self._prefix
 
     def __reduce__(self) -> Any:
         return (RedisClusterEngine.from_url, (self._raw_url,))
@@ -218,13 +205,7 @@ class RedisClusterEngine(Engine):
             engine = RedisEngine(
                 raw,
                 redis_url=f"{raw}?{query}" if query else raw,
-                prefix=self._prefix,
-                part_bytes=self.max_value_bytes,
-                pipeline_bytes=self.pipeline_bytes,
-                read_ahead_bytes=self.read_ahead_bytes,
-                allow_eviction=self.allow_eviction,
-                wait_replicas=self.wait_replicas,
-                wait_timeout=self.wait_timeout,
+                **self.settings(),
                 spare_ttl=0,  # a spare's name hashes to another slot than its key's: no reuse
             )
             self._nodes[node.name] = engine

@@ -1,0 +1,580 @@
+"""The DCP adapter's reader: ``KVStorageReader``, and the safe loading of objects.
+
+On load it copies each stored value straight from the engine's buffer into the planner's
+destination tensor (narrowing it when the load reshards), and loads non-tensor objects under
+``torch.load(weights_only=True)`` rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import io
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from .adapter import KVStorageBase, new_save_id, valid_checkpoint_id
+from .catalog import (
+    read_lease,
+)
+from .engines.base import Engine, byte_tensor
+from .errors import (
+    CheckpointNotFoundError,
+    DataError,
+    IntegrityError,
+    KVCheckpointError,
+    MetadataError,
+    UnsafeObjectError,
+)
+from .format import (
+    CheckpointRecord,
+    ItemLocation,
+    checksum,
+    decode_metadata,
+    gc_paused,
+    meta_key,
+    meta_prefix,
+    new_checksum,
+    parse_meta_key,
+    part_ranges,
+)
+from .stores import open_store
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_BATCH_BYTES = 256 << 20
+_HOST_ALIGN = 64
+
+
+class KVStorageReader(KVStorageBase, StorageReader):
+    """DCP ``StorageReader`` that loads from a key-value store.
+
+    Args:
+        store: a store URL or an engine. A reader never creates a store: an LMDB path with no
+            store there is a ``StoreNotFoundError``.
+        checkpoint_id: the checkpoint to load when ``dcp.load`` gets no ``checkpoint_id``.
+        weights_only: load non-tensor objects under ``torch.load(weights_only=True)`` rules
+            (the default), so a store that others can write to cannot run code in this
+            process. Pass False only for a store you trust with objects that need it.
+        verify: check each value against the checksum recorded at save (when the save recorded
+            them). Default: the engine's choice (on for Redis, off for LMDB).
+        batch_bytes: how many bytes to request from the engine per batch (bounds memory).
+        save_id: load only this save of the checkpoint id (``read_record().save_id``) and fail
+            clearly if the id was re-saved since: for loads made of several reads that must
+            all see one save.
+        lease: seconds a load holds its read lease on the checkpoint id without renewing it
+            (it renews between batches). While one is held, retention (``keep_last``, ``gc``,
+            ``delete_checkpoint``) and re-saves of the id remove the metadata at once but leave
+            the data in place until the load is done; a reader that crashed holds it no longer
+            than this.
+    """
+
+    def __init__(
+        self,
+        store: str | Engine,
+        *,
+        checkpoint_id: str | os.PathLike | None = None,
+        weights_only: bool = True,
+        verify: bool | None = None,
+        batch_bytes: int = _DEFAULT_BATCH_BYTES,
+        lease: float = 60.0,
+        save_id: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.engine = open_store(store, create=False)
+        self.checkpoint_id = valid_checkpoint_id(checkpoint_id)
+        self.save_id = save_id
+        self.weights_only = weights_only
+        self.verify = (
+            bool(getattr(self.engine, "checksums_by_default", False)) if verify is None else verify
+        )
+        self.batch_bytes = batch_bytes
+        self._host: torch.Tensor | None = None  # host staging for GPU-bound reads
+        self.lease = lease
+        self.load_id = new_save_id()
+        self._record: CheckpointRecord | None = None
+        self._lease: contextlib.AbstractContextManager[Callable[[], None]] | None = None
+        self._renew_lease: Callable[[], None] | None = None
+        self._global_error: Exception | None = None  # see _report_unreadable
+        #: how a refused object's error tells the user to opt out: an API built on this reader
+        #: (``KVLoadShardedStrategy``) names its own parameter
+        self.weights_only_opt_out = "KVStorageReader(..., weights_only=False)"
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.checkpoint_id = valid_checkpoint_id(checkpoint_id)
+        self.load_id = new_save_id()
+        self._record = None
+        self._global_error = None
+        self._release_lease()
+
+    def read_record(self, rank: int | None = None) -> CheckpointRecord:
+        """The checkpoint's decoded metadata (kvckpt's fields and DCP's ``Metadata``)."""
+        checkpoint_id = self._require_id()
+        raw = self.engine.get(meta_key(self.engine.prefix, checkpoint_id, rank))
+        if raw is None:
+            raise CheckpointNotFoundError(self._not_found(checkpoint_id, rank))
+        where = f"checkpoint {checkpoint_id!r} in {self.engine.url}"
+        record = decode_metadata(raw, where=where)
+        if record.checkpoint_id != checkpoint_id:
+            raise MetadataError(
+                f"metadata stored for {where} names checkpoint {record.checkpoint_id!r}: the "
+                "value was copied or overwritten under the wrong key"
+            )
+        if self.save_id is not None and record.save_id != self.save_id:
+            raise KVCheckpointError(
+                f"{where} was re-saved: it now holds save {record.save_id}, not save "
+                f"{self.save_id} that this load was pinned to (save_id=). Nothing was loaded; "
+                "load again."
+            )
+        return record
+
+    def _not_found(self, checkpoint_id: str, rank: int | None) -> str:
+        found: set[str] = set()
+        for key in self.engine.scan(meta_prefix(self.engine.prefix)):
+            parsed = parse_meta_key(self.engine.prefix, key)
+            if parsed is not None:
+                found.add(parsed[0])
+        what = f"checkpoint {checkpoint_id!r}" + ("" if rank is None else f" (rank {rank})")
+        if not found:
+            return f"{what} not found in {self.engine.url}: the store has no checkpoints"
+        names = sorted(found)
+        shown = ", ".join(repr(n) for n in names[:50])
+        more = f" and {len(names) - 50} more" if len(names) > 50 else ""
+        return f"{what} not found in {self.engine.url}; checkpoints there: {shown}{more}"
+
+    # -- DCP StorageReader --------------------------------------------------------------------
+
+    def _take_lease(self) -> None:
+        self._release_lease()
+        lease = read_lease(self.engine, self._require_id(), self.lease)
+        self._renew_lease = lease.__enter__()
+        self._lease = lease
+
+    def _release_lease(self) -> None:
+        lease, self._lease, self._renew_lease = self._lease, None, None
+        if lease is not None:
+            lease.__exit__(None, None, None)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # The lease comes first: whatever save the metadata then names keeps its data until
+        # this load is done, even if retention or a re-save retires it meanwhile.
+        self._take_lease()
+        rank = kwargs.get("rank")
+        try:
+            self._record = self.read_record(rank)
+        except Exception as e:
+            self._release_lease()
+            self._report_unreadable(e, rank)
+            raise
+        except BaseException:
+            self._release_lease()
+            raise
+        metadata = self._record.metadata
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _report_unreadable(self, error: Exception, rank: int | None) -> None:
+        """Log why a checkpoint cannot be loaded, once DCP has tried both of its ways.
+
+        DCP calls ``read_metadata()`` and, when that fails, ``read_metadata(rank=r)`` for a
+        rank-local checkpoint. torch before 2.13 swallows both errors and raises a bare
+        "metadata is None", so this log line is then the only place the user learns why. The
+        global read's error is the one that explains a missing or unreadable checkpoint; a
+        failure of the global read alone is not logged, since a rank-local checkpoint then loads.
+        """
+        if rank is None:
+            self._global_error = error
+            return
+        cause = self._global_error or error
+        logger.warning("kvckpt cannot load from %s: %s", self.engine.url, cause)
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if self._record is None or self._record.metadata is not metadata:
+            raise KVCheckpointError("set_up_storage_reader got metadata this reader did not read")
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        # Each rank reads the metadata itself; a re-save of the id committed between two
+        # ranks' reads would have them load different saves. The coordinator compares.
+        # (Rank-local checkpoints hold one save per rank by design.)
+        if self._record is None or self._record.rank is not None:
+            return plan
+        return dataclasses.replace(plan, storage_data=self._record.save_id)
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        found = sorted({p.storage_data for p in plans if isinstance(p.storage_data, str)})
+        if len(found) > 1:
+            raise KVCheckpointError(
+                f"checkpoint {self.checkpoint_id!r} in {self.engine.url} was re-saved while "
+                f"this load started: the ranks found different saves ({', '.join(found)}), "
+                "and loading them would mix two checkpoints. Nothing was loaded; load again."
+            )
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        record = self._record
+        if record is None:
+            raise KVCheckpointError("read_data called before read_metadata")
+        try:
+            with gc_paused():
+                self._read_all(record, plan, planner)
+        finally:
+            self._host = None
+            self._release_lease()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_all(self, record: CheckpointRecord, plan: LoadPlan, planner: LoadPlanner) -> None:
+        groups: dict[MetadataIndex, list[ReadItem]] = {}
+        for req in plan.items:
+            groups.setdefault(req.storage_index, []).append(req)
+        batch: list[_ItemRead] = []
+        size = 0
+        for index, reqs in groups.items():
+            loc = record.locations.get(index)
+            if loc is None:
+                raise DataError(
+                    f"checkpoint {record.checkpoint_id!r} in {self.engine.url} has no item "
+                    f"{index.fqn!r} at offset {list(index.offset or [])}"
+                )
+            batch.append(_ItemRead(self, record, index, loc, reqs, planner))
+            size += loc.nbytes
+            if size >= self.batch_bytes:
+                self._read_batch(batch)
+                batch, size = [], 0
+                if self._renew_lease is not None:
+                    self._renew_lease()
+        if batch:
+            self._read_batch(batch)
+
+    def _host_buffer(self, items: list[_ItemRead]) -> None:
+        """Give each GPU-bound direct read a slice of one host buffer, reused across batches
+        (pinned where the GPU is CUDA, so the copy to the device runs at full speed)."""
+        offsets, size = [], 0
+        for item in items:
+            offsets.append(size)
+            size += -(-item.loc.nbytes // _HOST_ALIGN) * _HOST_ALIGN  # aligned for any dtype
+        host = self._host
+        if host is None or host.numel() < size:
+            self._host = host = None  # free the old one first
+            pin = torch.cuda.is_available() and any(item.target.is_cuda for item in items)
+            try:
+                host = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+            except RuntimeError:  # pinned memory is limited; pageable memory still works
+                host = torch.empty(size, dtype=torch.uint8)
+            self._host = host
+        for item, start in zip(items, offsets, strict=True):
+            item.host = host[start : start + item.loc.nbytes]
+            item.dest = (
+                memoryview(item.host.numpy()) if item.loc.nbytes else memoryview(bytearray())
+            )
+
+    def _read_batch(self, batch: list[_ItemRead]) -> None:
+        record = self._record
+        assert record is not None
+        via_host = [item for item in batch if item.via_host]
+        if via_host:
+            self._host_buffer(via_host)
+        direct = [item for item in batch if item.dest is not None]
+        staged = [item for item in batch if item.dest is None]
+        if direct:
+            # Values go from the engine straight into the destination tensors' memory.
+            keys: list[str] = []
+            buffers: list[memoryview] = []
+            sums: list[int | None] = []
+            for item in direct:
+                assert item.dest is not None
+                item_keys = item.loc.keys(self.engine.prefix, record.checkpoint_id, record.save_id)
+                for p, (key, (start, stop)) in enumerate(zip(item_keys, item.ranges, strict=True)):
+                    keys.append(key)
+                    buffers.append(item.dest[start:stop])
+                    sums.append(item.loc.checksums[p] if item.loc.checksums else None)
+            verifying = self.verify and any(x is not None for x in sums)
+            digests: dict[int, int | None] = {}
+            if verifying:
+                # The engine hashes each value as it lands (Engine.get_into says why).
+                sizes = self.engine.get_into(
+                    keys, buffers, on_value=digests.__setitem__, hasher=new_checksum
+                )
+            else:
+                sizes = self.engine.get_into(keys, buffers)
+            for i, (key, buffer, size) in enumerate(zip(keys, buffers, sizes, strict=True)):
+                if size != buffer.nbytes:
+                    raise damaged(
+                        self.engine, record, key, key_fqn(direct, key), size, buffer.nbytes
+                    )
+                if verifying and sums[i] is not None:
+                    digest = digests.get(i)
+                    if digest is None:  # an engine that does not hash while reading
+                        digest = checksum(buffer)
+                    if digest != sums[i]:
+                        raise corrupted(self.engine, record, key, key_fqn(direct, key))
+            for item in direct:
+                item.commit()
+        if staged:
+            fetch_parts(
+                self.engine,
+                record,
+                [(item.index, item.loc) for item in staged],
+                lambda i, start, view: staged[i].add_part(start, view),
+                verify=self.verify,
+            )
+
+
+#: Plain types that torch's ``weights_only`` rules refuse although rebuilding one runs no code
+#: (each is made from bytes, numbers or other already-checked values), and that DCP users keep
+#: in state dicts: ``io.BytesIO`` holds opaque blobs in PyTorch's own DCP tests and torchtitan's
+#: older ``TrainState``; ``frozenset`` and ``datetime`` values turn up in training state. Not
+#: ``collections.deque`` (the restricted unpickler cannot rebuild it) nor ``defaultdict`` (it
+#: keeps a callable that later runs on a missing key).
+SAFE_OBJECT_TYPES: tuple[type, ...] = (
+    io.BytesIO,
+    frozenset,
+    datetime.date,
+    datetime.datetime,
+    datetime.time,
+    datetime.timedelta,
+    datetime.timezone,
+)
+_safe_types_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def plain_types_allowed() -> Iterator[None]:
+    """torch's ``weights_only`` allowlist plus ``SAFE_OBJECT_TYPES`` while the block runs.
+
+    torch's allowlist is process-wide, so the block holds a lock, and adds (and afterwards
+    removes) only the types the user has not registered with ``add_safe_globals`` already."""
+    with _safe_types_lock:
+        present = set(torch.serialization.get_safe_globals())
+        with torch.serialization.safe_globals([t for t in SAFE_OBJECT_TYPES if t not in present]):
+            yield
+
+
+def refusal(e: Exception) -> str:
+    """The sentence of torch's long ``weights_only`` error that names what was refused (the
+    type or function), in full; any other error's whole message, on one line."""
+    text = str(e)
+    found = re.search(r"WeightsUnpickler error: (.*?)(?:\. Please|$)", text, re.M) or re.search(
+        r"^\s*(Trying to load unsupported .*?)\.?\s*$", text, re.M
+    )
+    return found.group(1).strip() if found else f"{type(e).__name__}: {' '.join(text.split())}"
+
+
+def check_weights_only(data: bytes, what: str, opt_out: str) -> None:
+    """Refuse an object value that ``torch.load(weights_only=True)`` would not load (with
+    ``SAFE_OBJECT_TYPES`` allowed): DCP's planners unpickle object items without restriction,
+    so this check comes first. The error names ``what`` was refused, the refused type, and
+    ``opt_out``, the way out that fits the API in use."""
+    try:
+        with plain_types_allowed():
+            torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:
+        raise UnsafeObjectError(
+            f"{what} cannot be loaded under torch.load(weights_only=True) rules: {refusal(e)}. "
+            "Allow the types you expect with torch.serialization.add_safe_globals([...]), or, "
+            f"if you trust everyone who can write there, pass {opt_out}."
+        ) from None
+
+
+def key_fqn(items: list[_ItemRead], key: str) -> str:
+    """The fqn a data key belongs to (for error messages only)."""
+    rank, name = key.split("/")[-3:-1]
+    for item in items:
+        loc = item.loc
+        if (str(loc.rank), str(loc.n) if loc.name is None else loc.name) == (rank, name):
+            return item.index.fqn
+    return "?"
+
+
+def damaged(
+    engine: Engine, record: CheckpointRecord, key: str, fqn: str, got: int | None, want: int
+) -> DataError:
+    problem = (
+        "is missing (deleted, evicted or expired)"
+        if got is None
+        else f"holds {got} bytes, expected {want}"
+    )
+    return DataError(
+        f"checkpoint {record.checkpoint_id!r} in {engine.url} is damaged: key "
+        f"{key!r} of {fqn!r} {problem}"
+    )
+
+
+def corrupted(engine: Engine, record: CheckpointRecord, key: str, fqn: str) -> IntegrityError:
+    return IntegrityError(
+        f"checkpoint {record.checkpoint_id!r} in {engine.url} is corrupted: key {key!r} of "
+        f"{fqn!r} does not match the checksum recorded when it was saved"
+    )
+
+
+def fetch_parts(
+    engine: Engine,
+    record: CheckpointRecord,
+    items: Sequence[tuple[MetadataIndex, ItemLocation]],
+    on_part: Callable[[int, int, memoryview], None],
+    *,
+    verify: bool = False,
+) -> None:
+    """Fetch every part of ``items`` in one engine batch, checking each exists with the size
+    the metadata promises; ``on_part(item position, byte offset, view)`` gets each part (the
+    view is valid only during the call)."""
+    keys: list[str] = []
+    slots: list[tuple[int, int, int, int | None]] = []
+    for i, (_, loc) in enumerate(items):
+        item_keys = loc.keys(engine.prefix, record.checkpoint_id, record.save_id)
+        ranges = part_ranges(loc.nbytes, loc.part_bytes)
+        for p, (key, (start, stop)) in enumerate(zip(item_keys, ranges, strict=True)):
+            keys.append(key)
+            slots.append((i, start, stop, loc.checksums[p] if loc.checksums else None))
+
+    def consume(k: int, view: memoryview | None) -> None:
+        i, start, stop, expected = slots[k]
+        if view is None or view.nbytes != stop - start:
+            raise damaged(
+                engine,
+                record,
+                keys[k],
+                items[i][0].fqn,
+                None if view is None else view.nbytes,
+                stop - start,
+            )
+        if verify and expected is not None and checksum(view) != expected:
+            raise corrupted(engine, record, keys[k], items[i][0].fqn)
+        on_part(i, start, view)
+
+    engine.get_many(keys, consume)
+
+
+class _ItemRead:
+    """One stored item and the read requests it serves.
+
+    When one request wants the whole stored chunk and its destination is a contiguous CPU
+    tensor of the same dtype (a load without resharding), ``dest`` is that tensor's memory and
+    the engine reads the value straight into it. Otherwise the value is staged (zero-copy from
+    LMDB's map where possible) and narrowed into each destination.
+    """
+
+    def __init__(
+        self,
+        reader: KVStorageReader,
+        record: CheckpointRecord,
+        index: MetadataIndex,
+        loc: ItemLocation,
+        reqs: list[ReadItem],
+        planner: LoadPlanner,
+    ) -> None:
+        self.reader, self.record, self.index, self.loc = reader, record, index, loc
+        self.reqs, self.planner = reqs, planner
+        self.ranges = part_ranges(loc.nbytes, loc.part_bytes)
+        self.remaining = len(self.ranges)
+        self.buffer: torch.Tensor | None = None  # assembly of a multi-part staged item
+        self.dest: memoryview | None = None
+        #: a direct read bound for another device (a GPU) lands here first (``_read_batch``)
+        self.via_host = False
+        self.host: torch.Tensor | None = None
+        if index.offset is not None and len(reqs) == 1:
+            self._try_direct()
+
+    def _try_direct(self) -> None:
+        req = self.reqs[0]
+        dtype, sizes = self.record.chunk(self.index)
+        if any(req.storage_offsets) or list(req.lengths) != sizes:
+            return
+        target = self.planner.resolve_tensor(req).detach()
+        if not (
+            target.dtype == dtype
+            and target.is_contiguous()
+            and not target.is_conj()
+            and not target.is_neg()
+            and list(target.shape) == sizes
+        ):
+            return
+        if target.device.type == "cpu":
+            self.target = target
+            self.dest = (
+                memoryview(target.reshape(-1).view(torch.uint8).numpy())
+                if target.numel()
+                else memoryview(bytearray())
+            )
+        elif target.device.type != "meta" and not self.reader.engine.zero_copy_reads:
+            # A GPU tensor: the value is read through the engine's fast path into host memory
+            # and copied to the device once. (A zero-copy engine's staged path already copies
+            # straight from the store's memory to the device.)
+            self.target = target
+            self.via_host = True
+
+    def commit(self) -> None:
+        if self.host is not None:
+            self.target.copy_(self.host.view(self.target.dtype).reshape(self.target.shape))
+            self.host = None
+        self.planner.commit_tensor(self.reqs[0], self.target)
+
+    def add_part(self, start: int, view: memoryview) -> None:
+        self.remaining -= 1
+        if len(self.ranges) == 1:
+            self._apply(view)
+            return
+        if view.nbytes:
+            if self.buffer is None:
+                self.buffer = torch.empty(self.loc.nbytes, dtype=torch.uint8)
+            self.buffer[start : start + view.nbytes].copy_(byte_tensor(view))
+        if self.remaining == 0:
+            assert self.buffer is not None
+            self._apply(memoryview(self.buffer.numpy()))
+
+    def _apply(self, view: memoryview) -> None:
+        if self.index.offset is None:
+            self._load_object(view)
+            return
+        dtype, sizes = self.record.chunk(self.index)
+        if view.nbytes:
+            src = byte_tensor(view).view(dtype).reshape(sizes)
+        else:
+            src = torch.empty(sizes, dtype=dtype)
+        for req in self.reqs:
+            part = narrow_tensor_by_index(src, req.storage_offsets, req.lengths)
+            target = self.planner.resolve_tensor(req).detach()
+            if target.size() != part.size():
+                raise DataError(
+                    f"{req.storage_index.fqn!r}: the load plan wants shape {list(target.size())} "
+                    f"but the checkpoint holds {list(part.size())}"
+                )
+            target.copy_(part)
+            self.planner.commit_tensor(req, target)
+
+    def _load_object(self, view: memoryview) -> None:
+        data = bytes(view)
+        if self.reader.weights_only:
+            check_weights_only(
+                data,
+                f"object {self.index.fqn!r} in checkpoint {self.record.checkpoint_id!r} "
+                f"({self.reader.engine.url})",
+                self.reader.weights_only_opt_out,
+            )
+        for req in self.reqs:
+            if req.type != LoadItemType.BYTE_IO:
+                raise DataError(f"{self.index.fqn!r} is stored as an object, not a tensor")
+            self.planner.load_bytes(req, io.BytesIO(data))
