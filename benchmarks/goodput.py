@@ -60,7 +60,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from report import write_report  # noqa: E402
+from report import figure, markdown_table, write_report  # noqa: E402
 
 from examples.train_resume import model_for  # noqa: E402
 from kvckpt.testing import RedisServer, torchrun_command  # noqa: E402
@@ -518,47 +518,40 @@ def table(results: dict[str, Any]) -> str:
 
 
 def first_step_table(firsts: dict[str, list[float]]) -> str:
-    lines = [
-        "| start | time to first step (s), median / max | / fresh start |",
-        "|---|---|---|",
-    ]
     fresh = statistics.median(firsts["fresh start, no checkpoint"])
-    for name, values in firsts.items():
-        med = statistics.median(values)
-        lines.append(f"| {name} | {med:.2f} / {max(values):.2f} | {med / fresh:.2f} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ("start", "time to first step (s), median / max", "/ fresh start"),
+        (
+            (name, f"{med:.2f} / {max(v):.2f}", f"{med / fresh:.2f}")
+            for name, v in firsts.items()
+            for med in [statistics.median(v)]
+        ),
+    )
 
 
 def chart(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     runs = results["failures"]
     names = [
         NAMES[s].split(",")[0] + ("" if "," not in NAMES[s] else "\n" + NAMES[s].split(", ", 1)[1])
         for s in runs
     ]
     parts = ["relaunch", "restore", "recompute"]
-    fig, (ax, gx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 1.2]})
-    bottom = [0.0] * len(runs)
-    for part, colour in zip(parts, ["#999999", "#4477aa", "#ee6677"], strict=True):
-        values = [statistics.median(f[part] for f in r["failures"]) for r in runs.values()]
-        ax.barh(names, values, left=bottom, color=colour, label=part)
-        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    ax.invert_yaxis()
-    ax.set_xlabel("training time lost per failure, median (s)")
-    ax.legend(loc="upper right")
-    goodput = [results["failure_free_seconds"] / r["seconds"] for r in runs.values()]
-    gx.barh(names, goodput, color="#228833")
-    gx.invert_yaxis()
-    gx.set_yticklabels([])
-    gx.set_xlim(0, 1)
-    gx.set_xlabel("goodput")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    shape = {"ncols": 2, "figsize": (12, 4.5), "gridspec_kw": {"width_ratios": [3, 1.2]}}
+    with figure(path, **shape) as (_, (ax, gx)):
+        bottom = [0.0] * len(runs)
+        for part, colour in zip(parts, ["#999999", "#4477aa", "#ee6677"], strict=True):
+            values = [statistics.median(f[part] for f in r["failures"]) for r in runs.values()]
+            ax.barh(names, values, left=bottom, color=colour, label=part)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        ax.invert_yaxis()
+        ax.set_xlabel("training time lost per failure, median (s)")
+        ax.legend(loc="upper right")
+        goodput = [results["failure_free_seconds"] / r["seconds"] for r in runs.values()]
+        gx.barh(names, goodput, color="#228833")
+        gx.invert_yaxis()
+        gx.set_yticklabels([])
+        gx.set_xlim(0, 1)
+        gx.set_xlabel("goodput")
 
 
 def main() -> None:

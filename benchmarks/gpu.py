@@ -27,7 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report import write_report
+from report import markdown_table, write_report
 from run import MIB, make_state_dict
 
 from kvckpt import KVStorageReader, KVStorageWriter
@@ -127,8 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
         shutil.rmtree(shm, ignore_errors=True)
 
-    rows = ["| path | DCP on /dev/shm (s) | kvckpt LMDB / DCP | kvckpt Redis / DCP |"]
-    rows.append("|---|---|---|---|")
+    rows = []
     for what, label in (
         ("save", "`dcp.save` from CUDA"),
         ("load", "`dcp.load` into CUDA"),
@@ -136,8 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     ):
         base = results[f"dcp_fs_shm_{what}"]
         rows.append(
-            f"| {label} | {base:.3f} | {results[f'kv_lmdb_{what}'] / base:.2f} | "
-            f"{results[f'kv_redis_{what}'] / base:.2f} |"
+            (
+                label,
+                f"{base:.3f}",
+                f"{results[f'kv_lmdb_{what}'] / base:.2f}",
+                f"{results[f'kv_redis_{what}'] / base:.2f}",
+            )
         )
     gpu = torch.cuda.get_device_name(0)
     results["machine"] = (
@@ -147,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     results["command"] = "python benchmarks/gpu.py " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
-    table = "\n".join(rows)
+    header = ("path", "DCP on /dev/shm (s)", "kvckpt LMDB / DCP", "kvckpt Redis / DCP")
+    table = markdown_table(header, rows)
     print(
         f"{size / MIB:.0f} MiB state dict; medians of {args.repeats}; time ratios (lower is faster)"
     )

@@ -44,7 +44,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import write_report
+from report import markdown_table, write_report
 from run import MIB, RawRedis, make_state_dict, nbytes, tensor_parts
 
 import kvckpt
@@ -259,11 +259,17 @@ def table(results: dict[str, Any], size: int) -> str:
 
 
 def first_table(first: dict[str, list[float]], size: int) -> str:
-    lines = ["| first save into a new store | each (GB/s) | median (GB/s) |", "|---|---|---|"]
-    for name, ts in first.items():
-        each = " / ".join(f"{size / t / 1e9:.2f}" for t in ts)
-        lines.append(f"| {name} | {each} | {size / statistics.median(ts) / 1e9:.2f} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ("first save into a new store", "each (GB/s)", "median (GB/s)"),
+        (
+            (
+                name,
+                " / ".join(f"{size / t / 1e9:.2f}" for t in ts),
+                f"{size / statistics.median(ts) / 1e9:.2f}",
+            )
+            for name, ts in first.items()
+        ),
+    )
 
 
 def first_ratios(first: dict[str, list[float]]) -> list[str]:

@@ -1,13 +1,26 @@
-"""How the side benchmarks (resume, scaling, gpu) report: the table and the machine line on
-stdout, ``NAME.json`` (the data) and ``NAME.md`` (the table, then the machine and date) in the
-output directory."""
+"""How every benchmark reports: markdown tables, the JSON and markdown files of a run, and
+charts.
+
+Each benchmark prints its table and the machine line on stdout, and writes ``NAME.json`` (the
+data), ``NAME.md`` (the table, then the machine and date) and, where it has one, ``NAME.png``
+into its output directory.
+"""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A markdown table; cells are written as they are (format numbers before)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def write_report(
@@ -19,3 +32,21 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({"machine": machine, **data}, indent=1))
     (out / f"{name}.md").write_text(f"{table}\n\n{machine}; {time.strftime('%Y-%m-%d')}\n")
+
+
+@contextmanager
+def figure(path: str | Path, **subplots: Any) -> Iterator[tuple[Any, Any]]:
+    """``(fig, axes)`` of ``plt.subplots(**subplots)`` (matplotlib without a display), saved
+    to ``path`` when the block ends."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(**subplots)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)

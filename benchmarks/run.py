@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import datetime as dt
 import gc
-import json
 import os
 import platform
 import shutil
@@ -38,6 +37,7 @@ from typing import Any
 import lmdb
 import torch
 import torch.distributed.checkpoint as dcp
+from report import figure, markdown_table, write_report
 
 import kvckpt
 from kvckpt import KVStorageReader, KVStorageWriter
@@ -861,11 +861,6 @@ def ratios(r: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:
 
 
 def chart(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [
         k
         for k, v in results.items()
@@ -873,19 +868,16 @@ def chart(results: dict[str, Any], path: Path) -> None:
     ]
     values = [results[k]["gbps"] for k in names]
     colors = ["tab:orange" if k.startswith("kv_") else "tab:gray" for k in names]
-    fig, ax = plt.subplots(figsize=(10, 0.35 * len(names) + 1.5))
-    ax.barh(names[::-1], values[::-1], color=colors[::-1])
-    ax.set_xlabel("GB/s (median)")
-    ax.set_title(
-        f"kvckpt vs baselines, {results['state_dict_bytes'] / MIB:.0f} MiB state dict "
-        f"({results['machine']})",
-        fontsize=9,
-    )
-    for i, v in enumerate(values[::-1]):
-        ax.text(v, i, f" {v:.2f}", va="center", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, figsize=(10, 0.35 * len(names) + 1.5)) as (_, ax):
+        ax.barh(names[::-1], values[::-1], color=colors[::-1])
+        ax.set_xlabel("GB/s (median)")
+        ax.set_title(
+            f"kvckpt vs baselines, {results['state_dict_bytes'] / MIB:.0f} MiB state dict "
+            f"({results['machine']})",
+            fontsize=9,
+        )
+        for i, v in enumerate(values[::-1]):
+            ax.text(v, i, f" {v:.2f}", va="center", fontsize=8)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -928,15 +920,14 @@ def main(argv: list[str] | None = None) -> int:
         {"metric": m, "value": v, "target": tgt, "met": ok} for m, v, tgt, ok in rows
     ]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    lines = ["| metric | measured | target | met |", "|---|---|---|---|"]
-    lines += [
-        f"| {m} | {v:.2f} | {tgt} | {'-' if ok is None else 'yes' if ok else 'no'} |"
-        for m, v, tgt, ok in rows
-    ]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n" + "\n".join(lines))
+    table = markdown_table(
+        ("metric", "measured", "target", "met"),
+        (
+            (m, f"{v:.2f}", tgt, "-" if ok is None else "yes" if ok else "no")
+            for m, v, tgt, ok in rows
+        ),
+    )
+    write_report(out, "results", table, results["machine"], results)
     if not args.no_chart:
         with contextlib.suppress(ImportError):
             chart(results, out / "results.png")

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from report import write_report  # noqa: E402
+from report import markdown_table, write_report  # noqa: E402
 
 from kvckpt import KVStorageReader, KVStorageWriter, open_store  # noqa: E402
 from kvckpt.testing import RedisClusterProcesses, RedisServer, free_port  # noqa: E402
@@ -102,19 +102,23 @@ def main() -> None:
     finally:
         server.stop()
         cluster.stop()
-    lines = [
-        "| ranks | one server save GB/s | cluster save GB/s | cluster / one | one server load "
-        "GB/s | cluster load GB/s | cluster / one |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for world, one in results["one server"].items():
         many = results["3-primary cluster"][world]
-        lines.append(
-            f"| {world} | {one['save']:.2f} | {many['save']:.2f} | "
-            f"{many['save'] / one['save']:.2f} | {one['load']:.2f} | {many['load']:.2f} | "
-            f"{many['load'] / one['load']:.2f} |"
+        rows.append(
+            (
+                world,
+                f"{one['save']:.2f}",
+                f"{many['save']:.2f}",
+                f"{many['save'] / one['save']:.2f}",
+                f"{one['load']:.2f}",
+                f"{many['load']:.2f}",
+                f"{many['load'] / one['load']:.2f}",
+            )
         )
-    table = "\n".join(lines)
+    header = ("ranks", "one server save GB/s", "cluster save GB/s", "cluster / one")
+    header += ("one server load GB/s", "cluster load GB/s", "cluster / one")
+    table = markdown_table(header, rows)
     machine = (
         f"{platform.machine()}, {os.cpu_count()} cores, all servers and ranks on this one "
         f"machine; {args.mib_per_rank} MiB per rank; medians of {args.repeats}"
