@@ -150,3 +150,22 @@ def test_goodput_smoke_run(tmp_path) -> None:
     assert data["failures"]["tiers"]["failures"][0]["tier"] in (0, None)
     assert (out / "goodput.md").read_text().startswith("| system |")
     assert (out / "goodput.png").stat().st_size > 1000
+
+
+def test_compare_smoke_run(tmp_path) -> None:
+    """benchmarks/compare.py: two checkouts (here the same one twice) taking turns."""
+    out = tmp_path / "results"
+    result = run_benchmark(
+        "compare.py",
+        *("--old", ROOT, "--new", ROOT, "--rounds", "2", "--repeats", "1"),
+        *("--small-tensors", "20", "--big-mib", "4", "--out", str(out)),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    data = json.loads((out / "compare.json").read_text())
+    assert set(data["times"]["old"]) == {
+        f"{store}/{case}"
+        for store in ("lmdb", "redis")
+        for case in ("small_save", "small_load", "big_save", "big_load")
+    }
+    assert all(len(v) == 2 for v in data["times"]["new"].values())
+    assert (out / "compare.md").read_text().startswith("| case |")
