@@ -45,6 +45,8 @@ _EXT_TUPLE = 1
 MAX_METADATA_BYTES = 1 << 30
 _MAX_NDIM = 64
 MAX_PARTS = 1 << 20
+#: Ranks a checkpoint's items may name (data keys stay within LMDB's 511 bytes: FORMAT.md).
+MAX_RANKS = 1_000_000
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("kvckpt stores tensors little-endian and needs a little-endian machine")
@@ -99,8 +101,9 @@ def spare_prefix(prefix: str) -> str:
 
 def spare_key(prefix: str, data_key: str) -> str:
     """Where retention keeps a deleted checkpoint's value for the next save to overwrite in
-    place (engines with ``reuses_values``): ``<prefix>/spare/<rank>/<n>/<part>``, the value's
-    place in a rank's save plan, which the same state dict gives the same size every save."""
+    place (engines with ``reuses_values``): ``<prefix>/spare/<rank>/<item name>/<part>``
+    (format 1: ``<n>``, the item's place in the rank's plan), the last three fields of its data
+    key, which the same state dict gives the same size every save."""
     return spare_prefix(prefix) + "/".join(data_key.rsplit("/", 3)[-3:])
 
 
@@ -354,7 +357,12 @@ def _encode_metadata(
     version = FORMAT_VERSION
     if items and all(item[7] is None for item in items):
         version = 1
-    elif any(item[7] is None for item in items):
+    elif bad := next((i for i in items if i[7] is None or not ITEM_NAME.fullmatch(i[7])), None):
+        if bad[7] is not None:
+            raise ValueError(
+                f"checkpoint {checkpoint_id!r}: item {bad[0]!r} has the data key name "
+                f"{bad[7]!r}, which is not an item name (docs/FORMAT.md, *Data keys*)"
+            )
         raise ValueError(
             f"checkpoint {checkpoint_id!r}: items located by format 1 keys and by format 2 "
             "keys cannot be in one checkpoint"
@@ -499,8 +507,8 @@ def _item_fields(
     part_bytes, checksums, name); name is None in format 1."""
     if (
         type(item) is not list
-        or type(item[0]) is not str
         or len(item) not in ((6, 7) if version == 1 else (8,))
+        or type(item[0]) is not str
     ):
         fields = "fqn, offsets, rank, n, nbytes, part_bytes, checksums"
         raise chk.fail(
@@ -519,11 +527,13 @@ def _item_fields(
         type(irank) is not int
         or type(n) is not int
         or type(nbytes) is not int
-        or irank < 0
+        or not 0 <= irank < MAX_RANKS
         or n < 0
         or nbytes < 0
     ):
-        raise chk.fail(f"item {fqn!r}: rank, n and nbytes should be non-negative ints")
+        raise chk.fail(
+            f"item {fqn!r}: rank (below {MAX_RANKS}), n and nbytes should be non-negative ints"
+        )
     if type(part_bytes) is not int or part_bytes < 1:
         raise chk.fail(f"item {fqn!r}: part_bytes should be a positive int")
     if nbytes > MAX_PARTS * part_bytes:

@@ -30,6 +30,8 @@ from kvckpt.format import (
     FORMAT_VERSION,
     ITEM_NAME,
     MAX_ITEM_NAME,
+    MAX_PARTS,
+    MAX_RANKS,
     ItemLocation,
     decode_data_keys,
     decode_metadata,
@@ -113,8 +115,8 @@ def test_names_never_collide() -> None:
 def test_longest_keys_fit_lmdb(tmp_path: Path) -> None:
     """The longest prefix, checkpoint id, rank and part number with a hashed name: at most 503
     bytes, under LMDB's 511 (FORMAT.md)."""
-    loc = ItemLocation(999_999, 0, 1 << 20, 1, name=item_name("x" * 500, (0,) * 64))
-    key = loc.keys("p" * 128, "c" * 200, SAVE_ID)[-1]
+    loc = ItemLocation(MAX_RANKS - 1, 0, 2, 1, name=item_name("x" * 500, (0,) * 64))
+    key = loc.keys("p" * 128, "c" * 200, SAVE_ID)[0][:-1] + str(MAX_PARTS - 1)
     assert len(key.encode()) == 503
     engine = open_store(f"lmdb://{tmp_path}/s?prefix={'p' * 128}")
     engine.put_many([(key, b"v")])
@@ -174,6 +176,10 @@ def test_one_checkpoint_never_mixes_formats_or_repeats_a_key() -> None:
     same[MetadataIndex("opt.lr")] = ItemLocation(0, 1, 100, 1 << 20, name="w@0,0")
     with pytest.raises(ValueError, match="same data keys"):
         encode_metadata(md, same, checkpoint_id="c1", save_id=SAVE_ID, world_size=2)
+    bad = dict(locs)
+    bad[MetadataIndex("opt.lr")] = ItemLocation(0, 1, 100, 1 << 20, name="opt/lr")
+    with pytest.raises(ValueError, match="not an item name"):
+        encode_metadata(md, bad, checkpoint_id="c1", save_id=SAVE_ID, world_size=2)
 
 
 def _v2(**overrides: object) -> bytes:
@@ -191,7 +197,8 @@ def _v2(**overrides: object) -> bytes:
         ([["w", [0, 0], 0, 0, 24, 1024, None, "../x"]], "name '../x'"),
         ([["w", [0, 0], 0, 0, 24, 1024, None, "a{b}"]], "name 'a{b}'"),
         ([["w", [0, 0], 0, 0, 24, 1024, None, "x" * 121]], "at most 120"),
-        ([["w", [0, 0], 0, 0, 24, 1024, None, 5]], "name 5"),
+        ([["w", [0, 0], 0, 0, 24, 1024, None, 5]], "name '5'"),
+        ([[]], "should be [fqn"),
         (
             [
                 ["w", [0, 0], 0, 0, 24, 1024, None, "same"],
