@@ -11,7 +11,7 @@ import datetime as _dt
 import functools
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
@@ -49,7 +49,7 @@ def _time(ts: float) -> str:
 def table(
     headers: Sequence[str],
     rows: Sequence[Sequence[Any]],
-    right: set[int] = frozenset(),
+    right: Set[int] = frozenset(),
 ) -> str:
     cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
@@ -170,7 +170,7 @@ def info_command(url: str, checkpoint_id: str, show_keys: bool, as_json: bool) -
     store's own tools (redis-cli, mdb_dump).
 
     \b
-    Examples:
+    Example:
       kvckpt info lmdb:///dev/shm/ckpt step-100
       kvckpt info redis://host:6379 step-100 --keys
     """
@@ -185,7 +185,7 @@ def info_command(url: str, checkpoint_id: str, show_keys: bool, as_json: bool) -
     for record in records:
         for index, loc in record.locations.items():
             nbytes[index.fqn] = nbytes.get(index.fqn, 0) + loc.nbytes
-    entries = []
+    entries: list[dict[str, Any]] = []
     for fqn, smd in sorted(md.state_dict_metadata.items()):
         if isinstance(smd, TensorStorageMetadata):
             entries.append(
@@ -208,7 +208,7 @@ def info_command(url: str, checkpoint_id: str, show_keys: bool, as_json: bool) -
                 }
             )
     head = records[0]
-    summary = {
+    summary: dict[str, Any] = {
         "checkpoint_id": checkpoint_id,
         "save_id": head.save_id if len(records) == 1 else None,
         "created_at": _dt.datetime.fromtimestamp(
@@ -252,7 +252,7 @@ def _show_keys(
     """``kvckpt info --keys``: every item of ``records`` and its data keys, in reading order."""
     from .format import part_ranges
 
-    items = [
+    items: list[dict[str, Any]] = [
         {
             "fqn": index.fqn,
             "offsets": None if index.offset is None else list(index.offset),

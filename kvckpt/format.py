@@ -259,7 +259,7 @@ def _pack_default(obj: Any) -> Any:
         return dict(obj)
     for base in (bool, int, float, str, list):
         if isinstance(obj, base):
-            return base(obj)
+            return base(obj)  # type: ignore[arg-type]  # a subclass, as its plain base
     raise TypeError(
         f"kvckpt stores metadata as msgpack and cannot store a {type(obj).__qualname__} "
         "(planner data may hold only None, bool, int, float, str, list, tuple and dict)"
@@ -338,7 +338,7 @@ def _encode_metadata(
             objects.append(fqn)
         else:
             raise TypeError(f"unknown DCP storage metadata {type(md).__name__} for {fqn!r}")
-    items = [
+    items: list[list[Any]] = [
         [
             idx.fqn,
             None if idx.offset is None else list(idx.offset),

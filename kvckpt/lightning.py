@@ -153,9 +153,9 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, torch.Tensor
             items = [strip(v, f"{where}[{i}]") for i, v in enumerate(obj)]
             if type(obj) is list:
                 return items
-            out = copy.copy(obj)
-            out[:] = items
-            return out
+            same = copy.copy(obj)  # a list subclass keeps its class
+            same[:] = items
+            return same
         if isinstance(obj, tuple):
             items = [strip(v, f"{where}[{i}]") for i, v in enumerate(obj)]
             return tuple(items) if type(obj) is tuple else type(obj)(*items)
@@ -311,13 +311,13 @@ def load_checkpoint(
         raise MetadataError(f"the skeleton of {where} is not kvckpt.lightning format 1")
     count = wrapped.get("tensors")
     tensors = [state.get(TENSOR_FQN.format(i)) for i in range(count if type(count) is int else 0)]
-    if count != len(state) or any(t is None for t in tensors):
+    if count != len(state) or any(t is None for t in tensors):  # (then every t is a Tensor)
         raise DataError(
             f"{where} is damaged: its skeleton names {count} tensors, the checkpoint holds "
             f"{len(state)}"
         )
     if isinstance(map_location, str | torch.device):
-        tensors = [t.to(map_location) for t in tensors]
+        tensors = [t.to(map_location) for t in tensors]  # type: ignore[union-attr]
     used = [0]
     checkpoint = _fill(wrapped["checkpoint"], tensors, used)  # type: ignore[arg-type]
     if used[0] != len(tensors):
@@ -356,7 +356,7 @@ def read_pointer(path: str | os.PathLike) -> dict[str, Any] | None:
     """The pointer file at ``path`` (a dict), or None where ``path`` is some other file (a
     Lightning checkpoint saved with ``torch.save``). ``FileNotFoundError`` where nothing is
     there."""
-    fs = get_filesystem(path)
+    fs = get_filesystem(os.fspath(path))
     with fs.open(os.fspath(path), "rb") as f:
         head = f.read(_POINTER_MAX_BYTES + 1)
     if not head.lstrip().startswith(b"{") or len(head) > _POINTER_MAX_BYTES:
@@ -588,7 +588,7 @@ class _PointerAwareIO(CheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None
     ) -> None:
-        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        self.inner.save_checkpoint(checkpoint, os.fspath(path), storage_options=storage_options)
 
     def load_checkpoint(
         self,
@@ -606,7 +606,7 @@ class _PointerAwareIO(CheckpointIO):
         )
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
-        self.inner.remove_checkpoint(path)
+        self.inner.remove_checkpoint(os.fspath(path))
 
     def teardown(self) -> None:
         self.inner.teardown()

@@ -353,9 +353,11 @@ def discard_save(engine: Engine, checkpoint_id: str, save_id: str, rank: int | N
     does for a crashed writer's save, so it is not listed as incomplete until the next ``gc``.
     Returns the number of data keys deleted."""
     deleted = _drop_save_data(engine, checkpoint_id, save_id, rank)
-    update_index(
-        engine, lambda idx: idx.pending.pop(pending_name(checkpoint_id, save_id, rank), None)
-    )
+
+    def drop(idx: Index) -> None:
+        idx.pending.pop(pending_name(checkpoint_id, save_id, rank), None)
+
+    update_index(engine, drop)
     return deleted
 
 

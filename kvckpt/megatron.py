@@ -85,7 +85,7 @@ try:  # the strategy registry: deprecated in megatron-core 0.17, removed in 0.19
         register_default_strategy,
     )
 except ImportError:  # pragma: no cover - megatron-core >= 0.19
-    StrategyAction = None  # type: ignore[assignment,misc]
+    StrategyAction = None
 
 from .catalog import publish, read_lease
 from .engines.base import Engine

@@ -288,7 +288,9 @@ class KVStorageReader(KVStorageBase, StorageReader):
         for item, start in zip(items, offsets, strict=True):
             item.host = host[start : start + item.loc.nbytes]
             item.dest = (
-                memoryview(item.host.numpy()) if item.loc.nbytes else memoryview(bytearray())
+                memoryview(item.host.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
+                if item.loc.nbytes
+                else memoryview(bytearray())
             )
 
     def _read_batch(self, batch: list[_ItemRead]) -> None:
@@ -515,7 +517,7 @@ class _ItemRead:
         if target.device.type == "cpu":
             self.target = target
             self.dest = (
-                memoryview(target.reshape(-1).view(torch.uint8).numpy())
+                memoryview(target.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
                 if target.numel()
                 else memoryview(bytearray())
             )
@@ -543,7 +545,7 @@ class _ItemRead:
             self.buffer[start : start + view.nbytes].copy_(byte_tensor(view))
         if self.remaining == 0:
             assert self.buffer is not None
-            self._apply(memoryview(self.buffer.numpy()))
+            self._apply(memoryview(self.buffer.numpy()))  # type: ignore[arg-type]  # numpy arrays are buffers
 
     def _apply(self, view: memoryview) -> None:
         if self.index.offset is None:

@@ -590,11 +590,11 @@ def copy_values(
             offset += n
         src_keys = [k for k, _, _ in batch]
         got = src.get_into(src_keys, views)
-        for key, view, n in zip(src_keys, views, got, strict=True):
-            if n != view.nbytes:
+        for key, view, got_bytes in zip(src_keys, views, got, strict=True):
+            if got_bytes != view.nbytes:
                 raise ReplicationError(
                     f"copying checkpoint {checkpoint_id!r}: {key!r} in {src.url} holds "
-                    f"{n} bytes, expected {view.nbytes} (deleted meanwhile?)"
+                    f"{got_bytes} bytes, expected {view.nbytes} (deleted meanwhile?)"
                 )
         for t, dst in enumerate(dsts):
             # over the spares of the checkpoint the replica's retention dropped, where it can

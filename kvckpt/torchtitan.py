@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import re
 import socket
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -233,9 +234,10 @@ class KVCheckpointManager(CheckpointManager):
         self.tiers: Tiers | None = None
         # Retention is the writer's (keep_last), right after each commit: torchtitan's purge
         # thread, which deletes step-N directories, has nothing to do.
-        if self.purge_thread is not None:
+        purge_thread: threading.Thread | None = getattr(self, "purge_thread", None)
+        if purge_thread is not None:
             self.purge_queue.put(None)
-            self.purge_thread.join()
+            purge_thread.join()
             self.purge_thread = None
         if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
             # torchtitan builds a DefaultStager that pins unconditionally on its first save,

@@ -128,7 +128,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     # numpy keeps the tensor alive for as long as the memoryview exists.
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 def _planned_bytes(item: WriteItem) -> int:
@@ -325,7 +325,8 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         session = None
-        origin, live = None, ()
+        origin: str | None = None
+        live: tuple[tuple[str, str], ...] = ()
         if self.use_collectives:
             # Registered before any rank writes data, so gc never mistakes it for garbage.
             mark_pending(self.engine, self._require_id(), self.save_id, None, self.lease)
@@ -373,8 +374,10 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
                     renew_lease(self.engine, checkpoint_id, where.save_id, lease_rank, self.lease)
                     renewed = time.monotonic()
                 data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    view = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+                if isinstance(data, io.BytesIO):
+                    view = data.getbuffer()
+                elif item.type == WriteItemType.BYTE_IO:  # bytes a planner resolved
+                    view = memoryview(data)  # type: ignore[arg-type]
                 else:
                     view = tensor_bytes(data)
                 loc = ItemLocation(
@@ -423,7 +426,7 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
             )
             with gc_paused():
                 if hash_in_engine:
-                    self.engine.put_many(
+                    self.engine.put_many(  # type: ignore[call-arg]  # hashes_while_writing
                         values(), on_value=digests.__setitem__, hasher=new_checksum, **reuse
                     )
                 else:

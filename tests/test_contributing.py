@@ -4,6 +4,7 @@ LMDB and Redis pass (so the example cannot drift from the interface)."""
 from __future__ import annotations
 
 import re
+import sys
 import types
 from pathlib import Path
 
@@ -24,6 +25,7 @@ def example_code() -> str:
 
 def example_module() -> types.ModuleType:
     module = types.ModuleType("memory_engine_example")
+    sys.modules[module.__name__] = module  # importable, as a real package's module is
     exec(compile(example_code(), str(PAGE), "exec"), module.__dict__)
     return module
 

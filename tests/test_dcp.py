@@ -19,7 +19,7 @@ from kvckpt import (
     list_checkpoints,
     open_store,
 )
-from kvckpt.format import meta_key
+from kvckpt.format import FORMAT_VERSION, meta_key
 from kvckpt.staging import accelerator_available
 from tests._errors import load_fails
 
@@ -215,9 +215,9 @@ def test_newer_format_version(store_url: str, caplog) -> None:
     save({"a": torch.ones(1)}, store_url)
     engine = open_store(store_url)
     doc = msgpack.unpackb(engine.get(meta_key(engine.prefix, "step-1")), strict_map_key=False)
-    doc["version"] = 2
+    doc["version"] = FORMAT_VERSION + 1
     overwrite_meta(store_url, "step-1", msgpack.packb(doc))
-    with pytest.raises(UnsupportedFormatVersionError, match="version 2"):
+    with pytest.raises(UnsupportedFormatVersionError, match=f"version {FORMAT_VERSION + 1}"):
         KVStorageReader(store_url, checkpoint_id="step-1").read_record()
     with load_fails(caplog, "upgrade kvckpt"):
         load({"a": torch.zeros(1)}, store_url)

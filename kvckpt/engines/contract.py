@@ -21,6 +21,7 @@ import random
 import tempfile
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -147,7 +148,7 @@ def check_a_checkpoint_round_trip(open_engine: Opener) -> None:
     from .. import KVStorageReader, KVStorageWriter, delete_checkpoint, list_checkpoints
     from ..transfer import export_checkpoint, verify
 
-    state = {
+    state: dict[str, Any] = {
         "w": torch.randn(64, 33),
         "b": torch.arange(10, dtype=torch.bfloat16),
         "extra": {"step": 7, "note": "x"},
@@ -156,8 +157,11 @@ def check_a_checkpoint_round_trip(open_engine: Opener) -> None:
     dcp.save(state, storage_writer=KVStorageWriter(engine), checkpoint_id="c-1")
     assert [i.checkpoint_id for i in list_checkpoints(engine)] == ["c-1"]
     assert verify(engine, "c-1").ok
-    out = {"w": torch.zeros(64, 33), "b": torch.zeros(10, dtype=torch.bfloat16), "extra": {}}
-    out["extra"] = {"step": 0, "note": ""}
+    out: dict[str, Any] = {
+        "w": torch.zeros(64, 33),
+        "b": torch.zeros(10, dtype=torch.bfloat16),
+        "extra": {"step": 0, "note": ""},
+    }
     dcp.load(out, storage_reader=KVStorageReader(engine), checkpoint_id="c-1")
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
     assert out["extra"] == state["extra"]

@@ -118,11 +118,11 @@ def _populate_write(data_file: str, offset: int, length: int, threads: int = 0) 
                 errnos.append(ctypes.get_errno())
 
         pieces = [(offset + i * piece, min(piece, length - i * piece)) for i in range(n)]
-        threads = [threading.Thread(target=populate, args=p, daemon=True) for p in pieces[1:]]
-        for t in threads:
+        workers = [threading.Thread(target=populate, args=p, daemon=True) for p in pieces[1:]]
+        for t in workers:
             t.start()
         populate(*pieces[0])
-        for t in threads:
+        for t in workers:
             t.join()
         if errnos:
             _populate_ok = not {errno.EINVAL, errno.ENOSYS} & set(errnos)
@@ -691,7 +691,8 @@ class LMDBEngine(Engine):
     def get_many(self, keys: Sequence[str], consume: Consumer) -> None:
         with self._read_txn() as txn:
             for i, key in enumerate(keys):
-                consume(i, txn.get(key.encode()))
+                # a view of the map: read transactions are begun with buffers=True
+                consume(i, txn.get(key.encode()))  # type: ignore[arg-type]
 
     def get(self, key: str) -> bytes | None:
         with self._read_txn() as txn:

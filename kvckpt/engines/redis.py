@@ -477,7 +477,7 @@ class RedisEngine(RedisSettings):
 
     @_translate_errors
     def get(self, key: str) -> bytes | None:
-        return self._client.get(key)
+        return self._client.get(key)  # type: ignore[return-value]  # no decode_responses
 
     @_translate_errors
     def scan(self, prefix: str) -> Iterator[str]:

@@ -341,15 +341,16 @@ class RedisClusterEngine(RedisSettings):
 
     @_cluster_errors
     def get(self, key: str) -> bytes | None:
-        return self._rerouted(lambda: self._cluster.get(key))
+        return self._rerouted(lambda: self._cluster.get(key))  # type: ignore[return-value]
+
+    def _scan_node(self, node: ClusterNode, prefix: str) -> list[str]:
+        return list(self._node_engine(node).scan(prefix))
 
     @_cluster_errors
     def scan(self, prefix: str) -> Iterator[str]:
         keys: set[str] = set()
         for node in self._primaries():
-            keys.update(
-                self._rerouted(lambda node=node: list(self._node_engine(node).scan(prefix)))
-            )
+            keys.update(self._rerouted(functools.partial(self._scan_node, node, prefix)))
         return iter(sorted(keys))
 
     def _pipelined(
