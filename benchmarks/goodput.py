@@ -517,6 +517,23 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join([*lines, "", first_step_table(firsts)])
 
 
+def interval_table(cal: dict[str, Any], systems: list[str]) -> str:
+    """Phase 1 alone: each system's mode, estimate, and the overhead at each interval tried."""
+    return markdown_table(
+        ("system", "saves with", "overhead per save (s)", "estimated interval", "measured"),
+        (
+            (
+                NAMES[s],
+                MODES[cal[s]["mode"]],
+                f"{cal[s]['overhead_per_save_seconds']:.2f}",
+                cal[s]["estimated_interval"],
+                ", ".join(f"{v['interval']}: {v['overhead']:.1%}" for v in cal[s]["verified"]),
+            )
+            for s in systems
+        ),
+    )
+
+
 def first_step_table(firsts: dict[str, list[float]]) -> str:
     fresh = statistics.median(firsts["fresh start, no checkpoint"])
     return markdown_table(
@@ -593,6 +610,12 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--from-json", help="only re-render the report of an earlier run's JSON")
     ap.add_argument(
+        "--only-intervals",
+        action="store_true",
+        help="run phase 1 alone (each system's interval, estimated then measured at it) and "
+        "print its table",
+    )
+    ap.add_argument(
         "--only-first-step",
         action="store_true",
         help="run phase 2 alone (time to first step) and print its table",
@@ -624,6 +647,11 @@ def main() -> None:
             return
         results["calibration"] = calibrate(places, args)
         verify(places, args, results["calibration"])
+        if args.only_intervals:
+            print(interval_table(results["calibration"], args.systems))
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "intervals.json").write_text(json.dumps(results, indent=1))
+            return
         if args.kills == "auto":
             schedule(args, results["calibration"])
         results["first_step"] = first_steps(places, args)
