@@ -9,21 +9,11 @@ import fakeredis
 import pytest
 
 from kvckpt import StoreUnavailableError, open_store
-from kvckpt.engines.base import Engine
 from kvckpt.engines.contract import ENGINE_CHECKS
+from kvckpt.engines.contract import read_values as collect
 from kvckpt.engines.lmdb import LMDBEngine
 from kvckpt.engines.redis import RedisEngine
 from kvckpt.format import checksum, new_checksum
-
-
-def collect(engine: Engine, keys: list[str]) -> list[bytes | None]:
-    out: list[bytes | None] = [b"unset"] * len(keys)
-
-    def consume(i: int, view: memoryview | None) -> None:
-        out[i] = None if view is None else bytes(view)
-
-    engine.get_many(keys, consume)
-    return out
 
 
 @pytest.mark.parametrize("check", ENGINE_CHECKS, ids=lambda c: c.__name__)

@@ -32,7 +32,8 @@ from .base import Engine
 Opener = Callable[[], Engine]
 
 
-def _collect(engine: Engine, keys: list[str]) -> list[bytes | None]:
+def read_values(engine: Engine, keys: list[str]) -> list[bytes | None]:
+    """Each key's value through ``get_many``, copied out (None: missing)."""
     out: list[bytes | None] = [b"unset"] * len(keys)
 
     def consume(i: int, view: memoryview | None) -> None:
@@ -50,7 +51,7 @@ def check_put_get_scan_delete(open_engine: Opener) -> None:
     values["t/big"] = b"\x07" * (3 << 20)
     engine.put_many((k, memoryview(v)) for k, v in values.items())
     keys = sorted(values)
-    assert _collect(engine, [*keys, "t/missing"]) == [*(values[k] for k in keys), None]
+    assert read_values(engine, [*keys, "t/missing"]) == [*(values[k] for k in keys), None]
     assert sorted(engine.scan("t/a/")) == sorted(k for k in values if k.startswith("t/a/"))
     assert engine.get("t/a/3") == values["t/a/3"]
     assert engine.get("nope") is None
@@ -140,7 +141,7 @@ def check_put_many_hashes_if_it_says_so(open_engine: Opener) -> None:
     seen: dict[int, int | None] = {}
     engine.put_many(iter(values), on_value=seen.__setitem__, hasher=new_checksum)  # type: ignore[call-arg]
     assert seen == {i: checksum(v) for i, (_, v) in enumerate(values)}
-    assert _collect(engine, [k for k, _ in values]) == [v for _, v in values]
+    assert read_values(engine, [k for k, _ in values]) == [v for _, v in values]
 
 
 def check_a_checkpoint_round_trip(open_engine: Opener) -> None:
