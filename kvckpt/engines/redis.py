@@ -253,21 +253,7 @@ class RedisEngine(RedisSettings):
         return cls(url, redis_url=redis_url, **ours)
 
     def __reduce__(self) -> Any:
-        return (
-            _rebuild,
-            (
-                self._raw_url,
-                self._redis_url,
-                self._prefix,
-                self.max_value_bytes,
-                self.pipeline_bytes,
-                self.allow_eviction,
-                self.wait_replicas,
-                self.wait_timeout,
-                self.read_ahead_bytes,
-                self.spare_ttl,
-            ),
-        )
+        return (_rebuild, (self._raw_url, self._redis_url, self.settings(), self.spare_ttl))
 
     @property
     def _client(self) -> redis.Redis:
@@ -795,26 +781,7 @@ class _BulkReader:
 
 
 def _rebuild(
-    raw_url: str,
-    redis_url: str,
-    prefix: str,
-    part_bytes: int,
-    pipeline_bytes: int,
-    allow_eviction: bool,
-    wait_replicas: int = 0,
-    wait_timeout: float = 10.0,
-    read_ahead_bytes: int = DEFAULT_READ_AHEAD,
-    spare_ttl: float = 0.0,
+    raw_url: str, redis_url: str, settings: dict[str, Any], spare_ttl: float
 ) -> RedisEngine:
-    return RedisEngine(
-        raw_url,
-        redis_url=redis_url,
-        prefix=prefix,
-        part_bytes=part_bytes,
-        pipeline_bytes=pipeline_bytes,
-        allow_eviction=allow_eviction,
-        wait_replicas=wait_replicas,
-        wait_timeout=wait_timeout,
-        read_ahead_bytes=read_ahead_bytes,
-        spare_ttl=spare_ttl,
-    )
+    """An unpickled ``RedisEngine``: the same store, connected anew in this process."""
+    return RedisEngine(raw_url, redis_url=redis_url, spare_ttl=spare_ttl, **settings)
