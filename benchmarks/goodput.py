@@ -22,8 +22,9 @@ set up for this host), so the systems differ only in where the bytes go. Three p
    smallest interval whose overhead is at most ``--overhead`` (5%) of failure-free training
    time. DCP's default ``async_save`` (its blocking copy) is measured too, for the blocking
    comparison. That estimate is then checked by training at it (``verify``): a run saving at
-   the interval against a run that never saves, over the same steps; while the measured
-   overhead is above 5%, the interval is raised and measured again.
+   the interval against a run that never saves, over the same steps; the interval moves in
+   proportion to the measured overhead (up while above 5%, down while well under) until the
+   smallest interval that passes is within 10% of the largest that fails.
 2. **Time to first step.** A fresh start that never checkpoints, against a start that restores
    ``Tiers``' newest checkpoint on a new node, with and without ``prefetch()``; taking turns.
 3. **Failures.** Each system trains ``--steps`` steps at its interval while the same SIGKILL
@@ -223,47 +224,91 @@ def calibrate(places: Places, args: argparse.Namespace) -> dict[str, dict[str, A
 
 
 def verify(places: Places, args: argparse.Namespace, calibration: dict[str, Any]) -> None:
-    """Check each system's estimated interval by training at it: the measured overhead over at
-    least ``--verify-steps`` steps (after ``--calibrate-warmup`` saves), against a run that
-    never checkpoints over the same steps, the two taking turns. While it is above
-    ``--overhead``, raise the interval in proportion (at least by one step) and measure again.
+    """Find each system's smallest interval whose overhead is at most ``--overhead``, by
+    training at it: a run saving at the interval against a run that never checkpoints, over
+    the same number of steps (at least ``--verify-steps``, and ``--calibrate-saves`` saves),
+    the two taking turns. The search starts at the estimate and moves in proportion to the
+    measured overhead (``next_interval``), up while above the limit, down while well under it,
+    until the smallest passing interval is within 10% of the largest failing one, or after
+    ``--verify-tries`` intervals.
 
     The estimate times saves ``--calibrate-every`` steps apart and leaves out waits for the
     previous upload; at a shorter interval a save's background work can still be running at
     the next save, or compete with training for the cores. Only a run at the interval itself
-    shows that, so the failure runs use the interval this phase ends with."""
+    shows that, so the failure runs use the interval this phase ends with.
+
+    The ``--calibrate-warmup`` saves that pay for fresh memory come first,
+    ``--calibrate-every`` steps apart when they fit before the first save at the interval
+    (``--also-save-at``); so a long interval is measured from its first save, not after two
+    intervals of warm-up."""
+    warm = args.calibrate_warmup
     for system in args.systems:
         chosen = calibration[system]
-        interval, tries = chosen["interval"], []
-        for _ in range(args.verify_tries):
+        interval: int | None = chosen["interval"]
+        tries: list[dict[str, Any]] = []
+        while interval is not None and len(tries) < args.verify_tries:
             saves = max(args.calibrate_saves, math.ceil(args.verify_steps / interval))
-            start = interval * (args.calibrate_warmup + 1)
+            early = [args.calibrate_every * k for k in range(1, warm + 1)]
+            if early and early[-1] + args.calibrate_every <= interval:
+                start, also = interval, ",".join(map(str, early))  # warm-up saves first
+            else:
+                start, also = interval * (warm + 1), ""
             end = start + interval * saves
+            quiet = min(start, args.calibrate_every)  # the never-saving run's warm-up steps
             spans = {}
             for case in ("none", system):
                 places.clear()
                 wait_quiet(args)
-                how = (
-                    ["--every", "0"]
-                    if case == "none"
-                    else ["--every", str(interval), "--staging", chosen["mode"]]
-                )
-                t = step_times(run_to_end(places, case, args, "--steps", str(end), *how))
-                spans[case] = t[end] - t[start]
+                if case == "none":
+                    first, how = quiet, ["--every", "0"]
+                else:
+                    first = start
+                    how = ["--every", str(interval), "--staging", chosen["mode"]]
+                    how += ["--also-save-at", also] if also else []
+                last = first + (end - start)
+                t = step_times(run_to_end(places, case, args, "--steps", str(last), *how))
+                spans[case] = t[last] - t[first]
             overhead = spans[system] / spans["none"] - 1
             tries.append({"interval": interval, "steps": [start, end], "overhead": overhead})
             print(f"verify {system} every {interval}: overhead {overhead:.1%}", flush=True)
-            if overhead <= args.overhead:
-                break
-            interval = max(interval + 1, math.ceil(interval * overhead / args.overhead))
+            interval = next_interval(tries, args.overhead)
+        passed = [t["interval"] for t in tries if t["overhead"] <= args.overhead]
+        chosen["estimated_interval"] = chosen["interval"]
+        chosen["verified"] = tries
+        if passed:
+            chosen["interval"] = min(passed)
+            chosen["measured_overhead"] = next(
+                t["overhead"] for t in tries if t["interval"] == min(passed)
+            )
         else:  # not measured at the last raise: said in the report
             print(f"{system}: above {args.overhead:.0%} after {len(tries)} tries", flush=True)
-        chosen["estimated_interval"] = chosen["interval"]
-        chosen["interval"] = interval
-        chosen["verified"] = tries
-        chosen["measured_overhead"] = (
-            tries[-1]["overhead"] if tries[-1]["interval"] == interval else None
-        )
+            chosen["interval"] = next_interval(tries, args.overhead, searching=False)
+            chosen["measured_overhead"] = None
+
+
+def next_interval(tries: list[dict[str, Any]], limit: float, searching: bool = True) -> int | None:
+    """The next interval to measure, or None when the search is done: the last interval
+    scaled by its overhead over the limit (overhead per save is roughly fixed, so the share
+    of training it takes falls as 1/interval), kept strictly between the largest interval
+    that failed and the smallest that passed. Done when no interval is left between them, or
+    the candidate is within 10% of a passing interval (closer than the measurement's noise).
+    ``searching=False``: the raise after the last failure, whatever the bracket."""
+    passed = min((t["interval"] for t in tries if t["overhead"] <= limit), default=None)
+    failed = max((t["interval"] for t in tries if t["overhead"] > limit), default=0)
+    last = tries[-1]
+    guess = last["interval"] * max(last["overhead"], 0.0) / limit
+    if last["overhead"] > limit:
+        candidate = max(last["interval"] + 1, math.ceil(guess))
+    else:
+        candidate = min(last["interval"] - 1, math.floor(guess))
+    candidate = max(candidate, failed + 1, 1)
+    if not searching:
+        return candidate
+    if passed is not None:
+        candidate = min(candidate, passed - 1)
+        if candidate <= failed or candidate >= 0.9 * passed:
+            return None
+    return candidate
 
 
 # -- phase 2: time to first step -------------------------------------------------------------
@@ -470,7 +515,7 @@ def table(results: dict[str, Any]) -> str:
         return f"{value(system) / value('dcp-disk'):.2f}"
 
     lines = [
-        "| system | saves with | interval (steps) (estimate; measured at) | "
+        "| system | saves with | interval (steps) (estimate; measured overhead at each) | "
         "overhead per save (s) | overhead at the interval "
         "| blocking per save, median / max (s) | lost per failure, median / max (s) "
         "| relaunch / restore / recompute (s) | lost, expected (s) | dcp.load (s) "
@@ -480,10 +525,10 @@ def table(results: dict[str, Any]) -> str:
 
     def measured(system: str) -> tuple[str, str]:
         c = cal[system]
-        tried = " -> ".join(str(v["interval"]) for v in c.get("verified", []))
+        tried = ", ".join(f"{v['interval']}: {v['overhead']:.1%}" for v in c.get("verified", []))
         overhead = c.get("measured_overhead")
         return (
-            f"{c.get('estimated_interval', c['interval'])}; measured at {tried or '-'}",
+            f"{c.get('estimated_interval', c['interval'])}; measured {tried or '-'}",
             "not measured" if overhead is None else f"{overhead:.1%}",
         )
 

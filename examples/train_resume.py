@@ -183,6 +183,11 @@ def main() -> None:
     ap.add_argument("--keep-last", type=int, default=2, help="checkpoints kept in each store")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--every", type=int, default=5, help="checkpoint every N steps (0: never)")
+    ap.add_argument(
+        "--also-save-at",
+        default="",
+        help="comma-separated steps to checkpoint at as well (warm-up saves before --every's)",
+    )
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32, help="samples per rank and step")
@@ -286,6 +291,7 @@ def main() -> None:
         print(f"[rank {rank}] resumed from {name} ({source})", flush=True)
     log(event="ready", step=step, restore_start=restore_start, restore_end=time.time())
 
+    also_save_at = {int(s) for s in args.also_save_at.split(",") if s}
     stager = kvckpt.background_stager() if args.staging == "background" else None
     saving: Any = None  # the save in flight: a Future, or an AsyncSaveResponse
     staged = True  # whether the save in flight has its copy of the state
@@ -306,7 +312,7 @@ def main() -> None:
         optim.step()
         step += 1
         log(event="loss", step=step, loss=loss.item().hex(), t=time.time())
-        if args.every and step % args.every == 0:
+        if (args.every and step % args.every == 0) or step in also_save_at:
             started = time.perf_counter()
             if saving is not None:  # one save in flight at a time
                 (saving.upload_completion if staged_async(saving) else saving).result()

@@ -169,3 +169,32 @@ def test_compare_smoke_run(tmp_path) -> None:
     }
     assert all(len(v) == 2 for v in data["times"]["new"].values())
     assert (out / "compare.md").read_text().startswith("| case |")
+
+
+def test_goodput_interval_search(monkeypatch) -> None:
+    """verify()'s search: up in proportion while above the limit, down while well under it,
+    done when the passing and failing intervals are within 10% or adjacent."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # its `report` import
+    spec = importlib.util.spec_from_file_location(
+        "goodput", os.path.join(ROOT, "benchmarks", "goodput.py")
+    )
+    goodput = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "goodput", goodput)  # its dataclasses look it up
+    spec.loader.exec_module(goodput)
+
+    def search(measured: list[tuple[int, float]]) -> list[int | None]:
+        tries: list[dict] = []
+        out = []
+        for interval, overhead in measured:
+            tries.append({"interval": interval, "overhead": overhead})
+            out.append(goodput.next_interval(tries, 0.05))
+        return out
+
+    assert search([(25, 0.071), (36, 0.053), (39, 0.043)]) == [36, 39, None]
+    assert search([(6, 0.023), (2, 0.09), (4, 0.04), (3, 0.06)]) == [2, 4, 3, None]
+    assert search([(12, 0.049)]) == [None]  # 11 is within 10% of 12
+    assert search([(1, -0.01)]) == [None]
+    tries = [{"interval": 10, "overhead": 0.2}]
+    assert goodput.next_interval(tries, 0.05, searching=False) == 40
