@@ -666,12 +666,15 @@ class KVCheckpoint(Callback):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, not {keep_last}")
         self.tiers: Tiers | None
+        #: The stores of a ``Tiers`` this callback built (and so closes at teardown).
+        self._own_tiers: list[str | Engine] | None = None
         if isinstance(store, Tiers):
             self.tiers = store
         elif isinstance(store, str | Engine):
             self.tiers = None
         else:
-            self.tiers = Tiers(list(store), **writer_options)
+            self._own_tiers = list(store)
+            self.tiers = Tiers(self._own_tiers, **writer_options)
         self.engines = (
             list(self.tiers.engines) if self.tiers is not None else [open_store(store)]  # type: ignore[arg-type]
         )
@@ -702,6 +705,11 @@ class KVCheckpoint(Callback):
     # -- Lightning hooks
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._own_tiers is not None and self.tiers is None:  # a fit after teardown
+            self.tiers = Tiers(self._own_tiers, **self.writer_options)
+            self.engines = list(self.tiers.engines)
+            for engine in self.engines:
+                _register(engine)
         strategy = trainer.strategy
         io_plugin = strategy.checkpoint_io
         if not isinstance(io_plugin, KVCheckpointIO | _PointerAwareIO):
@@ -768,6 +776,14 @@ class KVCheckpoint(Callback):
                 self.wait()
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._own_tiers is not None and self.tiers is not None:
+            # Its copy thread ends here (after the copies queued, which on_train_end already
+            # waited for unless training failed); a later fit builds it again in setup.
+            tiers, self.tiers = self.tiers, None
+            try:
+                tiers.close()
+            except Exception as e:  # a training error, if any, is the one to report
+                logger.error("kvckpt.lightning: %s", e)
 
     # -- saving
 

@@ -294,9 +294,12 @@ class KVCheckpointManager(CheckpointManager):
         for tier, url in enumerate(urls):
             try:
                 engine = open_store(url, create=False)
-                if len(urls) > 1 and not (engine.shared or single_host):
-                    continue  # another node's ranks wrote to their own node's store
-                infos = list_checkpoints(engine)
+                try:  # opened for this listing only: its connections close with it
+                    if len(urls) > 1 and not (engine.shared or single_host):
+                        continue  # another node's ranks wrote to their own node's store
+                    infos = list_checkpoints(engine)
+                finally:
+                    engine.close()
             except StoreNotFoundError:
                 continue
             except KVCheckpointError as e:

@@ -392,6 +392,22 @@ def test_callback_retention_async_and_auto_resume(
     assert auto_resume(frequent, ckpt_dir=files) == str(files / "manual.ckpt")
 
 
+def test_callback_closes_the_tiers_it_builds(tmp_path: Path, lmdb_url: str, redis_url: str) -> None:
+    """Given a list of stores, the callback builds a ``Tiers``: its copy thread ends at
+    teardown, and a second fit with the same callback builds it again and keeps saving."""
+    callback = KVCheckpoint([lmdb_url, redis_url], every_n_train_steps=2, keep_last=None)
+    built = callback.tiers
+    assert built is not None
+    fit(trainer(tmp_path, 4, [callback]))
+    assert callback.tiers is None
+    assert not any(t.is_alive() for t in built._pool._threads)  # its copy thread ended
+    fit(trainer(tmp_path / "again", 6, [callback]))
+    assert callback.tiers is None
+    for url in (lmdb_url, redis_url):
+        ids = sorted(i.checkpoint_id for i in list_checkpoints(url))
+        assert ids == [f"step-00000000{n}" for n in (2, 4, 6)], url
+
+
 def test_async_save_error_reaches_the_training_loop(
     lmdb_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
