@@ -674,23 +674,29 @@ class KVCheckpoint(Callback):
             self.tiers = None
         else:
             self._own_tiers = list(store)
-            self.tiers = Tiers(self._own_tiers, **writer_options)
-        self.engines = (
-            list(self.tiers.engines) if self.tiers is not None else [open_store(store)]  # type: ignore[arg-type]
-        )
-        for engine in self.engines:
-            _register(engine)
+        self.writer_options = writer_options
+        self._open(store)
         self.every_n_train_steps = every_n_train_steps
         self.keep_last = keep_last
         self.async_save = async_save
         self.name = validate_name(name, "checkpoint id prefix", 180)
         self._id_re = re.compile(rf"^{re.escape(self.name)}-(\d{{9}})$")
-        self.writer_options = writer_options
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
         self._pending_id: str | None = None
         self._last_step = -1
         self._installed: tuple[Any, CheckpointIO] | None = None
+
+    def _open(self, store: StoreSpec) -> None:
+        """The engines to save to; the ``Tiers`` this callback owns is built here (again, for
+        a fit after the teardown that closed it)."""
+        if self._own_tiers is not None:
+            self.tiers = Tiers(self._own_tiers, **self.writer_options)
+        self.engines = (
+            list(self.tiers.engines) if self.tiers is not None else [open_store(store)]  # type: ignore[arg-type]
+        )
+        for engine in self.engines:
+            _register(engine)
 
     def __repr__(self) -> str:
         return f"KVCheckpoint({[e.url for e in self.engines]}, every={self.every_n_train_steps})"
@@ -706,10 +712,7 @@ class KVCheckpoint(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._own_tiers is not None and self.tiers is None:  # a fit after teardown
-            self.tiers = Tiers(self._own_tiers, **self.writer_options)
-            self.engines = list(self.tiers.engines)
-            for engine in self.engines:
-                _register(engine)
+            self._open(self._own_tiers)
         strategy = trainer.strategy
         io_plugin = strategy.checkpoint_io
         if not isinstance(io_plugin, KVCheckpointIO | _PointerAwareIO):
