@@ -134,10 +134,12 @@ class KVStore:
 
     def recover(self) -> None:
         # Saves that a killed writer left half-done: drop them and free their write leases,
-        # so this run can save the same step ids again. Nobody else writes in this namespace.
+        # so this run can save the same step ids again. Only saves begun before this process
+        # started: prefetch() may be copying into the local store right now.
         for engine in self.tiers.engines:
             try:
-                kvckpt.gc(engine, incomplete_older_than=0, scan_orphans=False)
+                before_start = time.time() - PROCESS_START
+                kvckpt.gc(engine, incomplete_older_than=before_start, scan_orphans=False)
             except kvckpt.StoreUnavailableError as e:
                 print(f"[resume] skipping cleanup of {engine.url}: {e}", flush=True)
 

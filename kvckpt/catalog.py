@@ -21,7 +21,12 @@ import msgpack
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from .engines.base import Engine
-from .errors import CheckpointLockedError, MetadataError, ReadOnlyStoreError
+from .errors import (
+    CheckpointLockedError,
+    MetadataError,
+    ReadOnlyStoreError,
+    SaveAbandonedError,
+)
 from .format import (
     CheckpointRecord,
     ItemLocation,
@@ -391,11 +396,17 @@ def collect_retired(engine: Engine, index: Index | None = None) -> int:
     return deleted
 
 
-def commit(engine: Engine, raw: bytes, entry: dict[str, Any]) -> tuple[bytes | None, bool]:
+def commit(
+    engine: Engine, raw: bytes, entry: dict[str, Any], *, pending: bool = True
+) -> tuple[bytes | None, bool]:
     """Write a checkpoint's metadata ``raw`` and its index ``entry`` (see ``summary``) in one
     atomic transaction. Returns the metadata value it replaced (a re-save of the same id) and
     whether that save's data may be deleted now (False while readers hold leases on the id:
     it is then retired, for ``collect_retired``).
+
+    ``pending``: the save registered itself (``mark_pending``) and commits only while that
+    entry is still there. ``gc`` removes the entry before it deletes a save's data, so a save
+    that ``gc`` took for a crashed writer's fails here instead of publishing missing data.
     """
     cid, rank = entry["checkpoint_id"], entry["rank"]
     key = meta_key(engine.prefix, cid, rank)
@@ -412,6 +423,15 @@ def commit(engine: Engine, raw: bytes, entry: dict[str, Any]) -> tuple[bytes | N
         return writes
 
     def change(index: Index) -> None:
+        if pending and pending_name(cid, entry["save_id"], rank) not in index.pending:
+            raise SaveAbandonedError(
+                f"checkpoint {cid!r} was not committed in {engine.url}: its save "
+                f"{entry['save_id']} was removed as incomplete while it was being written, so "
+                "its data may be gone. Either `kvckpt gc` took it for a crashed save (an "
+                "incomplete_older_than shorter than a save, or a restart's cleanup running "
+                "while this save ran: give gc a longer one), or the store lost its memory "
+                "(a restart, flush or failover) meanwhile. Save it again."
+            )
         name = entry_name(cid, rank)
         old = index.checkpoints.get(name, {}).get("save_id")
         if replaced[0] is not None and old != entry["save_id"]:
@@ -435,10 +455,12 @@ def publish(
     rank: int | None = None,
     ttl: float | None = None,
     created_at: float | None = None,
+    pending: bool = True,
 ) -> float:
     """Commit a checkpoint whose data is stored: encode its metadata, write it and its index
     entry atomically, then delete the data of the save it replaced. Returns the commit time
-    (``created_at``, when given: a copy keeps the time its original was taken)."""
+    (``created_at``, when given: a copy keeps the time its original was taken). ``pending``:
+    see ``commit`` (False re-commits a committed save's metadata)."""
     created_at = time.time() if created_at is None else created_at
     raw = encode_metadata(
         metadata,
@@ -460,7 +482,7 @@ def publish(
         "world_size": world_size,
         "expires_at": expires_at,
     }
-    replaced, deletable = commit(engine, raw, entry)
+    replaced, deletable = commit(engine, raw, entry, pending=pending)
     if ttl is not None and expires_at is not None:
         engine.expire_at([meta_key(engine.prefix, checkpoint_id, rank)], expires_at)
         # Data outlives its metadata by a grace period, so a load that read the metadata just

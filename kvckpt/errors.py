@@ -69,5 +69,11 @@ class CheckpointLockedError(KVCheckpointError):
     """Another writer holds the write lease of this checkpoint id."""
 
 
+class SaveAbandonedError(KVCheckpointError):
+    """A save's pending entry was gone when it came to commit (``gc`` took it for a crashed
+    writer's save and deleted its data, or the store lost its memory): committing it would
+    publish missing data."""
+
+
 class ReplicationError(KVCheckpointError):
     """A checkpoint committed in the fast tier could not be copied to a slower one."""

@@ -294,22 +294,28 @@ def gc(
         if isinstance(p.get("started_at"), int | float)
         and now - p["started_at"] >= incomplete_older_than
     }
-    for name, p in stale.items():
-        cid, save_id, rank = p.get("checkpoint_id"), p.get("save_id"), p.get("rank")
-        if isinstance(cid, str) and isinstance(save_id, str):
-            report.deleted_keys += _drop_save_data(
-                engine, cid, save_id, rank if isinstance(rank, int) else None
-            )
-        report.removed_incomplete.append(name)
     if stale or expired:
+        # The pending entries go first, in one transaction, and only the saves still pending
+        # then lose their data: a save that committed meanwhile keeps it, and one that is
+        # still writing finds its entry gone when it commits and fails (``commit``).
+        removed: dict[str, dict[str, Any]] = {}
 
         def change(idx: Index) -> None:
+            removed.clear()
             for name in stale:
-                idx.pending.pop(name, None)
+                if name in idx.pending:
+                    removed[name] = idx.pending.pop(name)
             for name in expired:
                 idx.checkpoints.pop(name, None)
 
         update_index(engine, change)
+        for name, p in removed.items():
+            cid, save_id, rank = p.get("checkpoint_id"), p.get("save_id"), p.get("rank")
+            if isinstance(cid, str) and isinstance(save_id, str):
+                report.deleted_keys += _drop_save_data(
+                    engine, cid, save_id, rank if isinstance(rank, int) else None
+                )
+            report.removed_incomplete.append(name)
 
     report.deleted_keys += collect_retired(engine)
 

@@ -682,6 +682,7 @@ class KVLoadShardedStrategy(TorchDistLoadShardedStrategy):
             world_size=record.world_size,
             ttl=None if expires_at is None else max(expires_at - record.created_at, 1.0),
             created_at=record.created_at,
+            pending=False,  # the same save, committed again smaller
         )
         self.engine.delete(
             key

@@ -47,6 +47,7 @@ from .catalog import (
 from .engines.base import Engine
 from .errors import (
     KVCheckpointError,
+    SaveAbandonedError,
     StoreFullError,
     StoreUnavailableError,
 )
@@ -521,16 +522,21 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         world_size = self._world_size(results)
         metadata.storage_meta = self.storage_meta()
         self._check_session(checkpoint_id)
-        self.committed_at = publish(
-            self.engine,
-            metadata,
-            locations,
-            checkpoint_id=checkpoint_id,
-            save_id=self.save_id,
-            world_size=world_size,
-            rank=rank,
-            ttl=self.ttl,
-        )
+        try:
+            self.committed_at = publish(
+                self.engine,
+                metadata,
+                locations,
+                checkpoint_id=checkpoint_id,
+                save_id=self.save_id,
+                world_size=world_size,
+                rank=rank,
+                ttl=self.ttl,
+            )
+        except SaveAbandonedError:
+            # gc dropped the save while it wrote: what was written after that goes too.
+            discard_save(self.engine, checkpoint_id, self.save_id, rank)
+            raise
         try:
             self.engine.sync_replicas()
         except StoreUnavailableError as e:

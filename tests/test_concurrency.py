@@ -14,10 +14,12 @@ import torch.distributed.checkpoint as dcp
 from kvckpt import (
     KVStorageReader,
     KVStorageWriter,
+    gc,
     latest_checkpoint,
     open_store,
 )
 from kvckpt.catalog import _lease_value, lease_key, read_index
+from kvckpt.format import data_prefix
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -121,3 +123,37 @@ def test_readers_during_overwrites_see_one_whole_save(store_url: str) -> None:
     assert reader.returncode == 0, err[-3000:]
     versions_seen = int(out.split()[0])
     assert versions_seen >= 1
+
+
+def test_a_save_gc_took_for_crashed_fails_and_the_old_checkpoint_stays(store_url: str) -> None:
+    """``gc(incomplete_older_than=0)`` while a save writes (a restart's cleanup racing this
+    process's own background copy, say): the save must fail at commit rather than publish
+    metadata whose data gc deleted, and the checkpoint it was replacing still loads."""
+    dcp.save({"w": torch.ones(64)}, storage_writer=KVStorageWriter(store_url), checkpoint_id="c")
+    engine = open_store(store_url)
+    old = read_index(engine).checkpoints["c"]["save_id"]
+
+    class CleanupMidSave(dcp.DefaultSavePlanner):
+        def resolve_data(self, write_item):  # type: ignore[no-untyped-def]
+            report = gc(store_url, incomplete_older_than=0, scan_orphans=False)
+            assert report.removed_incomplete, "the save in progress was pending"
+            return super().resolve_data(write_item)
+
+    with pytest.raises(BaseException, match="removed as incomplete") as info:
+        dcp.save(
+            {"w": torch.full((64,), 2.0)},
+            storage_writer=KVStorageWriter(store_url),
+            checkpoint_id="c",
+            planner=CleanupMidSave(),
+        )
+    assert "SaveAbandonedError" in repr(info.value) or "SaveAbandonedError" in str(info.value)
+    out = {"w": torch.zeros(64)}
+    dcp.load(out, storage_reader=KVStorageReader(store_url), checkpoint_id="c")
+    assert torch.equal(out["w"], torch.ones(64))
+    index = read_index(engine)
+    assert index.checkpoints["c"]["save_id"] == old and not index.pending
+    # The failed save cleaned up after itself: only the old save's data is left.
+    assert {k.split("/")[3] for k in engine.scan(data_prefix(engine.prefix))} == {old}
+    dcp.save(
+        {"w": torch.full((64,), 3.0)}, storage_writer=KVStorageWriter(store_url), checkpoint_id="c"
+    )

@@ -187,6 +187,37 @@ def test_a_failed_prefetch_leaves_nothing_and_the_restore_reads_the_shared_tier(
     tiers.close()
 
 
+def test_a_cleanup_racing_the_prefetch_never_publishes_missing_data(
+    tmp_path: Path,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A restart's cleanup (``gc(incomplete_older_than=0)`` on the local store) while the
+    prefetch copies into it: the copy must fail, not commit metadata whose data gc deleted
+    (what a CI run of benchmarks/goodput.py once hit as a damaged 'step-2')."""
+    saved_tiers(tmp_path, redis_url)
+    tiers = Tiers([f"lmdb://{tmp_path / 'new-node'}", redis_url])
+    real_put_many = tiers.engines[0].put_many
+
+    def put_many_then_cleanup(items, **kwargs):  # type: ignore[no-untyped-def]
+        real_put_many(items, **kwargs)
+        kvckpt.gc(tiers.engines[0], incomplete_older_than=0, scan_orphans=False)
+
+    monkeypatch.setattr(tiers.engines[0], "put_many", put_many_then_cleanup)
+    with caplog.at_level(logging.WARNING, logger="kvckpt.tiered"):
+        tiers.prefetch()
+        out = state(-1.0)
+        choice = tiers.restore(out)
+    assert "prefetch failed" in caplog.text and "removed as incomplete" in caplog.text
+    assert choice is not None and (choice.checkpoint_id, choice.tier) == ("step-2", 1)
+    assert same(out, state(2.0))
+    local = open_store(tiers.engines[0])
+    assert list(local.scan(data_prefix(local.prefix))) == []
+    assert read_index(local).pending == {} and list_checkpoints(local) == []
+    tiers.close()
+
+
 @pytest.mark.parametrize("prefetch", [[True, True], [True, False]])
 def test_every_node_prefetched_so_every_rank_reads_its_own_node(
     tmp_path: Path, redis_url: str, prefetch: list[bool]

@@ -154,7 +154,9 @@ def test_replica_restarted_mid_copy_never_shows_a_partial_checkpoint(
     try:
         tiers.wait()
     except ReplicationError as e:
-        assert "never reached" in str(e) or "cannot reach Redis" in str(e), e
+        # The restart took the copy's pending entry with it: its commit is refused.
+        reasons = ("never reached", "cannot reach Redis", "store lost its memory")
+        assert any(r in str(e) for r in reasons), e
         assert list_checkpoints(url) == []  # no commit of what did not arrive whole
         # ... and the failed copy left nothing behind: no data, no pending entry, no lease.
         replica = open_store(url)

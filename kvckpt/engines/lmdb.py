@@ -454,8 +454,12 @@ class LMDBEngine(Engine):
         self._shared = None
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # No module globals here (contextlib, say): at interpreter exit they may be None
+        # already, and the AttributeError would be printed as "Exception ignored in".
+        try:  # noqa: SIM105 (see above)
             self.close()
+        except Exception:
+            pass
 
     @staticmethod
     def _space(shared: _SharedEnv) -> tuple[int, int, int]:
