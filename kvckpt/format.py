@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 from typing import Any
 from urllib.parse import quote
 
@@ -117,7 +117,6 @@ ITEM_NAME = re.compile(rf"[A-Za-z0-9._~%@,+-]{{0,{MAX_ITEM_NAME}}}")
 _UNRESERVED = re.compile(r"[A-Za-z0-9._~-]*")
 
 
-@lru_cache(maxsize=1 << 17)
 def item_name(fqn: str, offsets: tuple[int, ...] | None) -> str:
     """An item's name in its data keys (format 2): its fqn percent-encoded as UTF-8 (every
     character but ``A-Z a-z 0-9 . _ ~ -``, so ``/``, Redis glob and hash-tag characters,
@@ -125,8 +124,7 @@ def item_name(fqn: str, offsets: tuple[int, ...] | None) -> str:
     offsets joined by ``,``. A name longer than ``MAX_ITEM_NAME`` keeps its first characters
     (never cutting an escape) and ends in ``+`` and the 16 hex digits of the XXH3-64 of the
     whole name. Two items of one rank's plan never share a name: escaping is one-to-one and
-    ``+`` never appears in an unhashed name (the writer checks, too). Cached: a job saves the
-    same state dict's names every time."""
+    ``+`` never appears in an unhashed name (the writer checks, too)."""
     name = fqn if _UNRESERVED.fullmatch(fqn) else quote(fqn, safe="")
     if offsets is not None:
         name += "@" + ",".join(map(str, offsets))
@@ -140,8 +138,10 @@ def item_name(fqn: str, offsets: tuple[int, ...] | None) -> str:
 
 
 def index_name(index: MetadataIndex) -> str:
-    """``item_name`` of a DCP ``MetadataIndex`` (an object item has no offsets)."""
-    return item_name(index.fqn, None if index.offset is None else tuple(index.offset))
+    """``item_name`` of a DCP ``MetadataIndex`` (an object item has no offsets). Not cached:
+    computing a name costs about a microsecond, and a cache of a state dict's 100,000s of
+    names measurably slowed every later metadata decode in the same process."""
+    return item_name(index.fqn, index.offset)
 
 
 def checksum(data: memoryview | bytes) -> int:
@@ -408,14 +408,17 @@ def _encode_metadata(
 # -- decode -------------------------------------------------------------------------------
 
 
-def _shape(chk: _Checker, value: Any, name: str) -> tuple[int, ...]:
-    """A list of at most 64 non-negative ints (not bools), as a tuple."""
-    if type(value) is not list or len(value) > _MAX_NDIM:
-        raise chk.fail(f"{name} should be a list of at most {_MAX_NDIM} non-negative ints")
-    for v in value:
-        if type(v) is not int or v < 0:
-            raise chk.fail(f"{name} should be a list of at most {_MAX_NDIM} non-negative ints")
-    return tuple(value)
+def _shape(chk: _Checker, value: Any, what: str, fqn: str) -> tuple[int, ...]:
+    """A list of at most 64 non-negative ints (not bools), as a tuple. The error names
+    ``what`` of tensor ``fqn``, formatted only on failure: this runs 40,000 times for 10,000
+    tensors."""
+    if type(value) is list and len(value) <= _MAX_NDIM:
+        for v in value:
+            if type(v) is not int or v < 0:
+                break
+        else:
+            return tuple(value)
+    raise chk.fail(f"{what} of {fqn!r} should be a list of at most {_MAX_NDIM} non-negative ints")
 
 
 class _Checker:
@@ -558,10 +561,14 @@ def decode_data_keys(
             raise chk.fail(f"it names checkpoint {named!r}, not {checkpoint_id!r}")
         keys: list[str] = []
         version = doc["version"]
+        head = f"{prefix}/data/{checkpoint_id}/{save_id}/"  # as ItemLocation.keys
         for item in chk.get(doc, "items", list):
             _, _, irank, n, nbytes, part_bytes, _, name = _item_fields(chk, item, version)
-            loc = ItemLocation(irank, n, nbytes, part_bytes, name=name)
-            keys += loc.keys(prefix, checkpoint_id, save_id)
+            base = f"{head}{irank}/{n if name is None else name}/"
+            if nbytes <= part_bytes:
+                keys.append(base + "0")
+            else:
+                keys += [f"{base}{i}" for i in range(-(-nbytes // part_bytes))]
         return save_id, keys
 
 
@@ -581,7 +588,10 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
     # ``type(x) is int`` (bool is a subclass of int and must not pass) and build each DCP object
     # once, because decoding is on the critical path of every load.
     sd_meta: dict[str, Any] = {}
-    chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]] = {}
+    # (fqn, offsets) -> (offsets as torch.Size, bytes, sizes, dtype) of every chunk
+    chunk_sizes: dict[
+        tuple[str, tuple[int, ...]], tuple[torch.Size, int, tuple[int, ...], Any]
+    ] = {}
     properties: dict[tuple[torch.dtype, bool], TensorProperties] = {}
     for fqn, t in chk.get(doc, "tensors", dict).items():
         if type(t) is not dict:
@@ -589,7 +599,7 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
         dtype = DTYPES.get(t.get("dtype"))  # type: ignore[arg-type]
         if dtype is None:
             raise chk.fail(f"tensor {fqn!r} has unknown dtype {t.get('dtype')!r}")
-        size = _shape(chk, t.get("size"), f"size of {fqn!r}")
+        size = _shape(chk, t.get("size"), "size", fqn)
         raw_chunks = t.get("chunks")
         if type(raw_chunks) is not list:
             raise chk.fail(f"field 'chunks' of {fqn!r} should be a list")
@@ -597,8 +607,8 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
         for c in raw_chunks:
             if type(c) is not list or len(c) != 2:
                 raise chk.fail(f"chunk of {fqn!r} should be [offsets, sizes]")
-            off = _shape(chk, c[0], f"chunk offsets of {fqn!r}")
-            sz = _shape(chk, c[1], f"chunk sizes of {fqn!r}")
+            off = _shape(chk, c[0], "chunk offsets", fqn)
+            sz = _shape(chk, c[1], "chunk sizes", fqn)
             if (
                 len(off) != len(size)
                 or len(sz) != len(size)
@@ -607,8 +617,9 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
                 raise chk.fail(
                     f"chunk {list(off)}+{list(sz)} of {fqn!r} lies outside its size {list(size)}"
                 )
-            chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(sz)))
-            chunk_sizes[(fqn, off)] = (sz, dtype)
+            offsets = torch.Size(off)
+            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(sz)))
+            chunk_sizes[(fqn, off)] = (offsets, math.prod(sz) * dtype.itemsize, sz, dtype)
         grad = t.get("requires_grad") is True
         props = properties.get((dtype, grad))
         if props is None:
@@ -633,18 +644,19 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
                 raise chk.fail(f"object item {fqn!r} is not declared in 'objects'")
             index = MetadataIndex(fqn)
         else:
-            off = _shape(chk, offsets, f"item offsets of {fqn!r}")
-            chunk = chunk_sizes.get((fqn, off))
+            # The chunk's offsets, checked above, are what the index gets: a list that only
+            # compares equal to them (1.0 or True for 1) is looked up, never used.
+            chunk = chunk_sizes.get((fqn, tuple(offsets))) if type(offsets) is list else None
             if chunk is None:
+                off = _shape(chk, offsets, "item offsets", fqn)
                 raise chk.fail(f"item {fqn!r} at {list(off)} matches no chunk of that tensor")
-            sz, dtype = chunk
-            expected = math.prod(sz) * dtype.itemsize
+            size_offsets, expected, sz, dtype = chunk
             if nbytes != expected:
                 raise chk.fail(
-                    f"item {fqn!r} at {list(off)} declares {nbytes} bytes but its "
+                    f"item {fqn!r} at {list(size_offsets)} declares {nbytes} bytes but its "
                     f"chunk {list(sz)} of {dtype_name(dtype)} has {expected}"
                 )
-            index = MetadataIndex(fqn, off)
+            index = MetadataIndex(fqn, size_offsets)
         if sums is not None:
             if (
                 type(sums) is not list

@@ -87,3 +87,17 @@ def test_unmodified_copy_loads() -> None:
     target = {"w": torch.zeros(4, 6), "b": torch.zeros(3), "o": {"lr": 0.0}}
     dcp.load(target, storage_reader=KVStorageReader(URL, verify=True), checkpoint_id="copy")
     assert torch.equal(target["w"], SD["w"]) and target["o"]["lr"] == 0.1
+
+
+def test_item_offsets_that_only_compare_equal_are_never_used() -> None:
+    """An item's offsets written as floats or bools (0.0 == 0 == False) find their chunk, but
+    the index the reader builds holds the chunk's own int offsets."""
+    from kvckpt.format import decode_metadata
+
+    doc = msgpack.unpackb(msgpack.packb(BASE), strict_map_key=False)
+    for item in doc["items"]:
+        if item[1] is not None:
+            item[1] = [0.0 if i % 2 else False for i in range(len(item[1]))]
+    record = decode_metadata(msgpack.packb(doc), where="test")
+    offsets = [i.offset for i in record.locations if i.offset is not None]
+    assert offsets and all(type(o) is int for off in offsets for o in off)
