@@ -1,10 +1,12 @@
 """What the DCP adapter's writer (``kvckpt.writer``) and reader (``kvckpt.reader``) share:
-checkpoint ids, save ids, and the base class that holds the engine."""
+checkpoint ids, save ids, a tensor's bytes, and the base class that holds the engine."""
 
 from __future__ import annotations
 
 import os
 import uuid
+
+import torch
 
 from .engines.base import Engine
 from .errors import InvalidCheckpointIdError
@@ -15,6 +17,42 @@ def new_save_id() -> str:
     """A save id (docs/FORMAT.md): chosen afresh by every save, so a re-saved checkpoint id
     never mixes old and new data keys. Loads and copies take one too, as their lease token."""
     return uuid.uuid4().hex
+
+
+#: dtypes whose tensors ``Tensor.numpy()`` takes as they are; any other (bfloat16, float8) is
+#: first viewed as the signed int of its size, which numpy has. Neither copies.
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    }
+)
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The memory of a contiguous CPU tensor with no conj or neg bit, as a flat memoryview of
+    bytes (format ``B``), writable as the tensor is: what a save writes from and a load reads
+    straight into, without a copy. Through numpy, which keeps the tensor alive for as long as
+    the view exists: about three times as fast as torch's own ``view(torch.uint8)``, and this
+    runs once per tensor, 10,000s of times per save or load."""
+    if t.numel() == 0:
+        return memoryview(bytearray())
+    if t.dtype not in _NUMPY_DTYPES:
+        as_int = _INT_OF_SIZE.get(t.element_size())
+        if as_int is None:
+            return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
+        t = t.view(as_int)
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 def valid_checkpoint_id(value: str | os.PathLike | None) -> str | None:

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .adapter import KVStorageBase, new_save_id, valid_checkpoint_id
+from .adapter import KVStorageBase, byte_view, new_save_id, valid_checkpoint_id
 from .catalog import (
     read_lease,
 )
@@ -516,11 +516,7 @@ class _ItemRead:
             return
         if target.device.type == "cpu":
             self.target = target
-            self.dest = (
-                memoryview(target.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
-                if target.numel()
-                else memoryview(bytearray())
-            )
+            self.dest = byte_view(target)
         elif target.device.type != "meta" and not self.reader.engine.zero_copy_reads:
             # A GPU tensor: the value is read through the engine's fast path into host memory
             # and copied to the device once. (A zero-copy engine's staged path already copies

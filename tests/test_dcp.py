@@ -100,6 +100,33 @@ def test_mixed_dtypes_round_trip_bit_exact(store_url: str) -> None:
     assert_bit_equal(sd, out)
 
 
+def test_tensor_bytes_of_every_dtype_and_layout() -> None:
+    """The writer's no-copy path (numpy, or an int view for dtypes numpy lacks) gives the
+    bytes of the contiguous projection for every dtype, view, conj/neg bit and empty shape."""
+    from kvckpt.writer import tensor_bytes
+
+    def expected(t: torch.Tensor) -> bytes:
+        t = t.detach().resolve_conj().resolve_neg().contiguous()
+        return bytes(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
+
+    dtypes = [
+        *(torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool),
+        *(torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32, torch.uint32),
+        *(torch.int64, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2),
+        *(torch.complex64, torch.complex128),
+    ]
+    cases = []
+    for dtype in dtypes:
+        base = (torch.arange(24) % 7).to(dtype)
+        cases += [base, base.reshape(2, 3, 4)[:, 1], base.reshape(4, 6).t(), base[3], base[:0]]
+        cases.append(base.reshape(2, 3, 4)[:, :0])
+    z = torch.randn(5, dtype=torch.complex64)
+    cases += [z.conj(), z.conj().imag, torch.randn(4, requires_grad=True)]
+    for t in cases:
+        view = tensor_bytes(t)
+        assert view.format == "B" and bytes(view) == expected(t), (t.dtype, t.shape)
+
+
 def test_a_view_stores_only_its_elements(store_url: str) -> None:
     base = torch.randn(1024, 1024)
     save({"v": base[:2]}, store_url)
