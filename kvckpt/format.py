@@ -185,11 +185,22 @@ class ItemLocation:
             yield key, view[start:stop]
 
     def keys(self, prefix: str, checkpoint_id: str, save_id: str) -> list[str]:
-        name = self.n if self.name is None else self.name
-        base = f"{prefix}/data/{checkpoint_id}/{save_id}/{self.rank}/{name}/"
-        if self.nbytes <= self.part_bytes:
-            return [base + "0"]
-        return [f"{base}{i}" for i in range(-(-self.nbytes // self.part_bytes))]
+        return item_keys(
+            data_prefix(prefix, checkpoint_id, save_id),
+            self.rank,
+            self.n if self.name is None else self.name,
+            self.nbytes,
+            self.part_bytes,
+        )
+
+
+def item_keys(head: str, rank: int, name: int | str, nbytes: int, part_bytes: int) -> list[str]:
+    """The data keys of an item's parts: ``<head><rank>/<name>/<part>``, where ``head`` is
+    ``data_prefix`` of the save and ``name`` the item's name (format 1: its plan position)."""
+    base = f"{head}{rank}/{name}/"
+    if nbytes <= part_bytes:
+        return [base + "0"]
+    return [f"{base}{i}" for i in range(-(-nbytes // part_bytes))]
 
 
 @dataclass
@@ -561,14 +572,10 @@ def decode_data_keys(
             raise chk.fail(f"it names checkpoint {named!r}, not {checkpoint_id!r}")
         keys: list[str] = []
         version = doc["version"]
-        head = f"{prefix}/data/{checkpoint_id}/{save_id}/"  # as ItemLocation.keys
+        head = data_prefix(prefix, checkpoint_id, save_id)
         for item in chk.get(doc, "items", list):
             _, _, irank, n, nbytes, part_bytes, _, name = _item_fields(chk, item, version)
-            base = f"{head}{irank}/{n if name is None else name}/"
-            if nbytes <= part_bytes:
-                keys.append(base + "0")
-            else:
-                keys += [f"{base}{i}" for i in range(-(-nbytes // part_bytes))]
+            keys += item_keys(head, irank, n if name is None else name, nbytes, part_bytes)
         return save_id, keys
 
 
