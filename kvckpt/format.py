@@ -600,6 +600,8 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
         tuple[str, tuple[int, ...]], tuple[torch.Size, int, tuple[int, ...], Any]
     ] = {}
     properties: dict[tuple[torch.dtype, bool], TensorProperties] = {}
+    # One torch.Size per distinct checked shape (immutable, so tensors may share it).
+    sizes: dict[tuple[int, ...], torch.Size] = {}
     for fqn, t in chk.get(doc, "tensors", dict).items():
         if type(t) is not dict:
             raise chk.fail(f"tensor {fqn!r} should be a map")
@@ -616,7 +618,8 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
                 raise chk.fail(f"chunk of {fqn!r} should be [offsets, sizes]")
             off = _shape(chk, c[0], "chunk offsets", fqn)
             sz = _shape(chk, c[1], "chunk sizes", fqn)
-            if (
+            whole = sz == size and len(off) == len(size) and not any(off)  # the usual case
+            if not whole and (
                 len(off) != len(size)
                 or len(sz) != len(size)
                 or any(o + s > g for o, s, g in zip(off, sz, size, strict=True))
@@ -624,14 +627,16 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
                 raise chk.fail(
                     f"chunk {list(off)}+{list(sz)} of {fqn!r} lies outside its size {list(size)}"
                 )
-            offsets = torch.Size(off)
-            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(sz)))
+            offsets = sizes.get(off) or sizes.setdefault(off, torch.Size(off))
+            chunk_size = sizes.get(sz) or sizes.setdefault(sz, torch.Size(sz))
+            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=chunk_size))
             chunk_sizes[(fqn, off)] = (offsets, math.prod(sz) * dtype.itemsize, sz, dtype)
         grad = t.get("requires_grad") is True
         props = properties.get((dtype, grad))
         if props is None:
             props = properties[(dtype, grad)] = TensorProperties(dtype=dtype, requires_grad=grad)
-        sd_meta[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
+        tensor_size = sizes.get(size) or sizes.setdefault(size, torch.Size(size))
+        sd_meta[fqn] = TensorStorageMetadata(properties=props, size=tensor_size, chunks=chunks)
     for fqn in chk.get(doc, "objects", list):
         if type(fqn) is not str:
             raise chk.fail("objects should be a list of strings")
