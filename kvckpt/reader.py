@@ -505,7 +505,9 @@ class _ItemRead:
         dtype, sizes = self.record.chunk(self.index)
         if any(req.storage_offsets) or list(req.lengths) != sizes:
             return
-        target = self.planner.resolve_tensor(req).detach()
+        target = self.planner.resolve_tensor(req)
+        if target.requires_grad:
+            target = target.detach()
         if not (
             target.dtype == dtype
             and target.is_contiguous()
@@ -514,7 +516,7 @@ class _ItemRead:
             and list(target.shape) == sizes
         ):
             return
-        if target.device.type == "cpu":
+        if target.is_cpu:
             self.target = target
             self.dest = byte_view(target)
         elif target.device.type != "meta" and not self.reader.engine.zero_copy_reads:
