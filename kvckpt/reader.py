@@ -287,11 +287,7 @@ class KVStorageReader(KVStorageBase, StorageReader):
             self._host = host
         for item, start in zip(items, offsets, strict=True):
             item.host = host[start : start + item.loc.nbytes]
-            item.dest = (
-                memoryview(item.host.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
-                if item.loc.nbytes
-                else memoryview(bytearray())
-            )
+            item.dest = byte_view(item.host)
 
     def _read_batch(self, batch: list[_ItemRead]) -> None:
         record = self._record
@@ -543,7 +539,7 @@ class _ItemRead:
             self.buffer[start : start + view.nbytes].copy_(byte_tensor(view))
         if self.remaining == 0:
             assert self.buffer is not None
-            self._apply(memoryview(self.buffer.numpy()))  # type: ignore[arg-type]  # numpy arrays are buffers
+            self._apply(byte_view(self.buffer))
 
     def _apply(self, view: memoryview) -> None:
         if self.index.offset is None:
