@@ -152,20 +152,28 @@ def read_index(engine: Engine) -> Index:
 
 def update_index(
     engine: Engine,
-    change: Callable[[Index], None],
+    change: Callable[[Index], bool | None],
     *,
     watch: tuple[str, ...] = (),
     extra: Callable[[list[bytes | None]], dict[str, bytes | None]] | None = None,
 ) -> None:
     """Atomically apply ``change`` to the index, together with ``extra`` writes to ``watch``
-    (``extra`` runs first and gets the watched keys' current values)."""
+    (``extra`` runs first and gets the watched keys' current values). A ``change`` that returns
+    False writes nothing at all: the work was already done.
+
+    Both may run more than once, and the last run counts: the engine runs them again when a
+    watched key changed meanwhile, and a Redis client also when the connection dropped after
+    the server applied an earlier run but before its reply arrived. So each must be idempotent:
+    a run that finds its own work already applied must recognise it (``commit`` does).
+    """
     key = index_key(engine.prefix)
 
     def update(current: list[bytes | None]) -> dict[str, bytes | None]:
         index = Index.decode(current[0], where=engine.url)
         # ``extra`` sees the watched values first, so ``change`` can act on what it found.
         writes = {} if extra is None else extra(current[1:])
-        change(index)
+        if change(index) is False:
+            return {}
         writes[key] = index.encode()
         return writes
 
@@ -396,6 +404,17 @@ def collect_retired(engine: Engine, index: Index | None = None) -> int:
     return deleted
 
 
+@dataclass
+class _CommitRun:
+    """What one run of a commit's transaction found: the metadata value it replaces, the id's
+    read leases, and whether the replaced save's data may be deleted now (False while readers
+    hold leases on the id)."""
+
+    replaced: bytes | None = None
+    readers: bytes | None = None
+    deletable: bool = True
+
+
 def commit(
     engine: Engine, raw: bytes, entry: dict[str, Any], *, pending: bool = True
 ) -> tuple[bytes | None, bool]:
@@ -407,41 +426,53 @@ def commit(
     ``pending``: the save registered itself (``mark_pending``) and commits only while that
     entry is still there. ``gc`` removes the entry before it deletes a save's data, so a save
     that ``gc`` took for a crashed writer's fails here instead of publishing missing data.
+
+    Idempotent: a run of the transaction that finds this save already committed (an earlier
+    run was applied, but its reply was lost and the client ran it again) writes nothing and
+    reports what the applied run replaced. When no run of this call saw the store before the
+    commit, the replaced value is unknown and reported as None: its data is left to ``gc``.
     """
-    cid, rank = entry["checkpoint_id"], entry["rank"]
+    cid, rank, save_id = entry["checkpoint_id"], entry["rank"], entry["save_id"]
     key = meta_key(engine.prefix, cid, rank)
     lease = lease_key(engine.prefix, cid, rank)
-    replaced: list[bytes | None] = [None, None]
-    deletable = [True]
+    runs: list[_CommitRun] = []
 
     def extra(current: list[bytes | None]) -> dict[str, bytes | None]:
-        replaced[:] = [current[0], current[2]]
+        runs.append(_CommitRun(replaced=current[0], readers=current[2]))
         held = _decode_lease(current[1])
         writes: dict[str, bytes | None] = {key: raw}
-        if held is not None and held.get("save_id") == entry["save_id"]:
+        if held is not None and held.get("save_id") == save_id:
             writes[lease] = None  # the commit releases this save's lease
         return writes
 
-    def change(index: Index) -> None:
-        if pending and pending_name(cid, entry["save_id"], rank) not in index.pending:
+    def change(index: Index) -> bool:
+        this = runs[-1]
+        name = entry_name(cid, rank)
+        if pending and pending_name(cid, save_id, rank) not in index.pending:
+            if index.checkpoints.get(name, {}).get("save_id") == save_id:
+                # Committed by an earlier run whose reply was lost: that run's findings stand
+                # (none known if this call never saw the store before the commit).
+                runs.pop()
+                runs[:] = runs[-1:] or [_CommitRun()]
+                return False
             raise SaveAbandonedError(
                 f"checkpoint {cid!r} was not committed in {engine.url}: its save "
-                f"{entry['save_id']} was removed as incomplete while it was being written, so "
+                f"{save_id} was removed as incomplete while it was being written, so "
                 "its data may be gone. Either `kvckpt gc` took it for a crashed save (an "
                 "incomplete_older_than shorter than a save, or a restart's cleanup running "
                 "while this save ran: give gc a longer one), or the store lost its memory "
                 "(a restart, flush or failover) meanwhile. Save it again."
             )
-        name = entry_name(cid, rank)
         old = index.checkpoints.get(name, {}).get("save_id")
-        if replaced[0] is not None and old != entry["save_id"]:
-            deletable[0] = retire(index, replaced[1], cid, [old] if isinstance(old, str) else [])
+        if this.replaced is not None and old != save_id:
+            this.deletable = retire(index, this.readers, cid, [old] if isinstance(old, str) else [])
         index.checkpoints[name] = entry
-        index.pending.pop(pending_name(cid, entry["save_id"], rank), None)
+        index.pending.pop(pending_name(cid, save_id, rank), None)
+        return True
 
     readers = readers_key(engine.prefix, cid)
     update_index(engine, change, watch=(key, lease, readers), extra=extra)
-    return replaced[0], deletable[0]
+    return runs[-1].replaced, runs[-1].deletable
 
 
 def publish(
@@ -497,23 +528,34 @@ def publish(
             expires_at + grace,
         )
     if replaced is not None and deletable:
-        try:
-            old_save, old_keys = decode_data_keys(
-                replaced,
-                engine.prefix,
-                checkpoint_id,
-                where=f"replaced checkpoint {checkpoint_id!r} in {engine.url}",
-            )
-        except MetadataError as e:
-            logger.warning("not deleting the data of a replaced save: %s (run gc)", e)
-        else:
-            if old_save != save_id:
-                engine.delete(old_keys)
+        _delete_replaced(engine, checkpoint_id, save_id, replaced)
     try:
         collect_retired(engine)  # data earlier saves left to readers that have since finished
     except Exception as e:
         logger.warning("could not delete retired saves' data in %s: %s (run gc)", engine.url, e)
     return created_at
+
+
+def _delete_replaced(engine: Engine, checkpoint_id: str, save_id: str, replaced: bytes) -> None:
+    """After a commit: delete the data of the save it replaced. The checkpoint is committed
+    whatever happens here, so a failure is logged and the data left to ``gc``."""
+    try:
+        old_save, old_keys = decode_data_keys(
+            replaced,
+            engine.prefix,
+            checkpoint_id,
+            where=f"replaced checkpoint {checkpoint_id!r} in {engine.url}",
+        )
+        if old_save != save_id:
+            engine.delete(old_keys)
+    except Exception as e:
+        logger.warning(
+            "checkpoint %r is committed in %s, but the data of the save it replaced was not "
+            "deleted: %s (`kvckpt gc URL` deletes it)",
+            checkpoint_id,
+            engine.url,
+            e,
+        )
 
 
 def rebuild_index(engine: Engine) -> Index:

@@ -185,25 +185,32 @@ def delete_checkpoint(store: str | Engine, checkpoint_id: str, *, reuse: bool = 
     engine = _engine(store)
     validate_name(checkpoint_id)
     keys = _checkpoint_meta_keys(engine, read_index(engine), checkpoint_id)
-    old_meta: list[bytes | None] = []
-    readers: list[bytes | None] = [None]
+    # Each run of the transaction's findings: the metadata values it removes, the id's read
+    # leases, and whether the data may go now. A run that finds nothing left after a run that
+    # found the checkpoint is the same delete run again (its reply was lost): that run stands.
+    runs: list[tuple[list[bytes | None], bytes | None]] = []
     deletable = [True]
 
     def extra(current: list[bytes | None]) -> dict[str, bytes | None]:
-        old_meta[:], readers[0] = current[:-1], current[-1]
+        runs.append((current[:-1], current[-1]))
         return dict.fromkeys(keys)
 
-    def change(index: Index) -> None:
+    def change(index: Index) -> bool:
         names = [n for n, e in index.checkpoints.items() if e.get("checkpoint_id") == checkpoint_id]
+        if not names and all(v is None for v in runs[-1][0]) and len(runs) > 1:
+            runs.pop()
+            return False
         save_ids = {index.checkpoints[n].get("save_id") for n in names}
         deletable[0] = retire(
-            index, readers[0], checkpoint_id, sorted(s for s in save_ids if isinstance(s, str))
+            index, runs[-1][1], checkpoint_id, sorted(s for s in save_ids if isinstance(s, str))
         )
         for name in names:
             del index.checkpoints[name]
+        return True
 
     watch = (*keys, readers_key(engine.prefix, checkpoint_id))
     update_index(engine, change, watch=watch, extra=extra)
+    old_meta = runs[-1][0]
     if all(v is None for v in old_meta):
         raise CheckpointNotFoundError(
             f"checkpoint {checkpoint_id!r} not found in {engine.url}; `kvckpt ls URL` lists "
@@ -355,16 +362,26 @@ def _drop_save_data(engine: Engine, checkpoint_id: str, save_id: str, rank: int 
 
 def discard_save(engine: Engine, checkpoint_id: str, save_id: str, rank: int | None = None) -> int:
     """Drop a save that will never commit (a failed save, a failed copy of ``Tiers``): its
-    data (one rank's, for a rank-local save), its write lease and its pending entry, as ``gc``
-    does for a crashed writer's save, so it is not listed as incomplete until the next ``gc``.
-    Returns the number of data keys deleted."""
-    deleted = _drop_save_data(engine, checkpoint_id, save_id, rank)
+    pending entry first, so that it can no longer commit, then its data (one rank's, for a
+    rank-local save) and its write lease, as ``gc`` does for a crashed writer's save, so it is
+    not listed as incomplete until the next ``gc``. Returns the number of data keys deleted.
+
+    A save that the index records as committed (or retired, with readers) keeps its data: a
+    caller that took its commit for failed (its reply lost on the way) must not delete what a
+    committed checkpoint names."""
+    committed = [False]
 
     def drop(idx: Index) -> None:
         idx.pending.pop(pending_name(checkpoint_id, save_id, rank), None)
+        committed[0] = any(
+            e.get("checkpoint_id") == checkpoint_id and e.get("save_id") == save_id
+            for e in (*idx.checkpoints.values(), *idx.retired.values())
+        )
 
     update_index(engine, drop)
-    return deleted
+    if committed[0]:
+        return 0
+    return _drop_save_data(engine, checkpoint_id, save_id, rank)
 
 
 #: ``gc(..., incomplete_older_than=NEVER)`` leaves every pending save alone.

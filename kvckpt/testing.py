@@ -6,12 +6,15 @@ way kvckpt's own tests and benchmarks do.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -82,6 +85,133 @@ class RedisServer:
 
     def client(self, db: int = 0) -> redis.Redis:
         return redis.Redis(port=self.port, db=db)
+
+
+class DroppingProxy:
+    """A loopback TCP proxy in front of a server that drops connections on cue: the fault a
+    flaky network or a ``CLIENT KILL`` causes, placed at an exact moment of a protocol.
+
+    ``drop_on(b"EXEC")`` arms it: the next time a client sends a chunk containing that command,
+    the proxy forwards it, waits until the server has answered (so the server *did* run it),
+    throws the answer away and closes the client's connection. The client sees a dropped
+    connection with its command applied: a lost reply. ``drop_on(..., before=True)`` closes
+    the connection without forwarding the command instead (the command never ran), and
+    ``skip=n`` lets the first ``n`` sends of the command through, and ``containing`` picks the
+    sends whose chunk also holds those bytes (a key).
+    """
+
+    def __init__(self, target_port: int, host: str = "127.0.0.1") -> None:
+        self.target = (host, target_port)
+        self._listener = socket.create_server((host, 0))
+        self.port = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        #: [command, bytes the chunk must also hold, before, sends still to let through]
+        self._armed: list[list[Any]] = []
+        self._sockets: set[socket.socket] = set()
+        self.dropped = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def drop_on(
+        self, command: bytes, *, containing: bytes = b"", before: bool = False, skip: int = 0
+    ) -> None:
+        """Drop the connection that sends ``command`` after ``skip`` sends of it."""
+        with self._lock:
+            self._armed.append([command, containing, before, skip])
+
+    def armed(self) -> int:
+        with self._lock:
+            return len(self._armed)
+
+    def close(self) -> None:
+        self._listener.close()
+        with self._lock:
+            for s in list(self._sockets):
+                _close(s)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            link = _Link(client, socket.create_connection(self.target))
+            with self._lock:
+                self._sockets |= {client, link.server}
+            threading.Thread(target=self._pump_down, args=(link,), daemon=True).start()
+            threading.Thread(target=self._pump_up, args=(link,), daemon=True).start()
+
+    def _trigger(self, chunk: bytes) -> tuple[bytes, bool] | None:
+        with self._lock:
+            for n, armed in enumerate(self._armed):
+                command, containing, before, skip = armed
+                if b"\r\n" + command + b"\r\n" not in chunk or containing not in chunk:
+                    continue
+                if skip:
+                    armed[3] -= 1
+                    continue
+                del self._armed[n]
+                self.dropped += 1
+                return command, before
+        return None
+
+    def _pump_up(self, link: _Link) -> None:
+        """Client to server; where armed, the drop."""
+        try:
+            while chunk := link.client.recv(1 << 16):
+                hit = self._trigger(chunk)
+                if hit is None:
+                    link.server.sendall(chunk)
+                    continue
+                link.hold.set()  # the reply is read here, not relayed
+                link.down_stopped.wait(10)
+                if not hit[1]:
+                    link.server.sendall(chunk)
+                    link.server.settimeout(10)
+                    link.server.recv(1 << 16)  # the server ran it and answered
+                break
+        except OSError:
+            pass
+        link.close()
+
+    def _pump_down(self, link: _Link) -> None:
+        """Server to client, until the connection ends or a drop holds the replies back."""
+        link.server.settimeout(0.02)
+        try:
+            while not link.hold.is_set():
+                try:
+                    chunk = link.server.recv(1 << 16)
+                except TimeoutError:
+                    continue
+                if not chunk:
+                    break
+                link.client.sendall(chunk)
+        except OSError:
+            pass
+        link.down_stopped.set()
+        if not link.hold.is_set():
+            link.close()
+
+
+class _Link:
+    """One proxied connection."""
+
+    def __init__(self, client: socket.socket, server: socket.socket) -> None:
+        self.client, self.server = client, server
+        self.hold = threading.Event()
+        self.down_stopped = threading.Event()
+
+    def close(self) -> None:
+        _close(self.client)
+        _close(self.server)
+
+
+def _close(s: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        s.shutdown(socket.SHUT_RDWR)
+    s.close()
 
 
 def torchrun_command(

@@ -544,14 +544,26 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
                 f"on its replicas: {e}"
             ) from None
         if self.keep_last is not None:
-            gc(
-                self.engine,
-                keep_last=self.keep_last,
-                protect=self._protected(checkpoint_id),
-                incomplete_older_than=NEVER,
-                scan_orphans=False,
-                reuse=True,
-            )
+            try:
+                gc(
+                    self.engine,
+                    keep_last=self.keep_last,
+                    protect=self._protected(checkpoint_id),
+                    incomplete_older_than=NEVER,
+                    scan_orphans=False,
+                    reuse=True,
+                )
+            except (KVCheckpointError, OSError) as e:
+                # The checkpoint is committed: retention catches up at the next save.
+                logger.warning(
+                    "checkpoint %r is committed in %s, but keep_last=%d could not delete older "
+                    "ones: %s (the next save or `kvckpt gc URL --keep-last %d` will)",
+                    checkpoint_id,
+                    self.engine.url,
+                    self.keep_last,
+                    e,
+                    self.keep_last,
+                )
 
     def _world_size(self, results: list[list[WriteResult]]) -> int:
         """The world size of this save: the ranks whose results DCP gathered, not the process

@@ -95,6 +95,26 @@ def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
+def _retried(method: Callable[..., T]) -> Callable[..., T]:
+    """Run an idempotent operation again when the connection drops (``_RETRIES`` times, with
+    backoff): a dropped connection is an everyday fault, and these operations may run twice.
+    A transaction's update may therefore also run after its first run was applied (the reply
+    was lost), which ``kvckpt.catalog.update_index`` requires each update to recognise."""
+
+    @functools.wraps(method)
+    def wrapper(self: RedisEngine, *args: Any, **kwargs: Any) -> T:
+        for n in range(_RETRIES + 1):
+            try:
+                return method(self, *args, **kwargs)
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if n == _RETRIES or isinstance(e, redis.AuthenticationError):
+                    raise
+                time.sleep(_BACKOFF_S * 2**n)
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
 def _no_such_key(error: redis.ResponseError) -> bool:
     """RENAME's reply when its source is gone: no spare to take over, or already taken."""
     return "no such key" in str(error).lower()
@@ -462,16 +482,19 @@ class RedisEngine(RedisSettings):
         return self._with_connection(work)
 
     @_translate_errors
+    @_retried
     def get(self, key: str) -> bytes | None:
         return self._client.get(key)  # type: ignore[return-value]  # no decode_responses
 
     @_translate_errors
+    @_retried
     def scan(self, prefix: str) -> Iterator[str]:
         pattern = _GLOB_SPECIAL.sub(r"\\\1", prefix) + "*"
         keys = [k.decode() for k in self._client.scan_iter(match=pattern, count=1000)]
         return iter(keys)
 
     @_translate_errors
+    @_retried
     def delete(self, keys: Iterable[str]) -> int:
         deleted = 0
         batch: list[str] = []
@@ -485,6 +508,7 @@ class RedisEngine(RedisSettings):
         return deleted
 
     @_translate_errors
+    @_retried
     def retire_values(self, keys: Sequence[tuple[str, str]]) -> int:
         """Keep each retired value under its spare name for ``spare_ttl`` seconds (``RENAME``
         replaces an older spare of that name; the key's memory is not touched), or delete them
@@ -508,6 +532,7 @@ class RedisEngine(RedisSettings):
         return removed
 
     @_translate_errors
+    @_retried
     def transact(self, watch: Sequence[str], update: Update) -> None:
         def apply(pipe: Any) -> None:
             current = [pipe.get(k) for k in watch]
@@ -522,6 +547,7 @@ class RedisEngine(RedisSettings):
         self._client.transaction(apply, *watch)
 
     @_translate_errors
+    @_retried
     def expire_at(self, keys: Iterable[str], when: float) -> None:
         at_ms = int(when * 1000)
         pipe = self._client.pipeline(transaction=False)
@@ -532,6 +558,7 @@ class RedisEngine(RedisSettings):
         pipe.execute()
 
     @_translate_errors
+    @_retried
     def value_sizes(self, keys: Sequence[str]) -> list[int | None]:
         sizes: list[int | None] = []
         for start in range(0, len(keys), _MAX_PIPELINE_KEYS):
@@ -548,6 +575,7 @@ class RedisEngine(RedisSettings):
         self.wait_for_replicas(f"{{{self._prefix}}}/sync")
 
     @_translate_errors
+    @_retried
     def wait_for_replicas(self, scratch_key: str) -> None:
         """``WAIT`` for ``wait_replicas`` replicas, after a write to ``scratch_key``.
 
@@ -569,10 +597,12 @@ class RedisEngine(RedisSettings):
             )
 
     @_translate_errors
+    @_retried
     def session_id(self) -> str | None:
         return str(self._client.info("server").get("run_id"))
 
     @_translate_errors
+    @_retried
     def preflight(self, nbytes: int) -> None:
         """Refuse to write into a server that may evict keys, or that has no room."""
         mem = self._client.info("memory")
@@ -607,6 +637,7 @@ class RedisEngine(RedisSettings):
         )
 
     @_translate_errors
+    @_retried
     def info(self, section: str | None = None) -> dict[str, Any]:
         """The server's INFO (memory, policy) for preflight checks and diagnostics."""
         return self._client.info(section) if section else self._client.info()
