@@ -541,6 +541,10 @@ class _ItemRead:
             assert self.buffer is not None
             self._apply(byte_view(self.buffer))
 
+    def apply(self, view: memoryview) -> None:
+        """Load the stored item's whole value ``view`` into every request it serves."""
+        self._apply(view)
+
     def _apply(self, view: memoryview) -> None:
         if self.index.offset is None:
             self._load_object(view)

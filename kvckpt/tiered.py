@@ -36,7 +36,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import threading
 import time
 from collections import Counter
@@ -59,7 +58,9 @@ from .engines.base import Engine
 from .errors import KVCheckpointError, ReplicationError
 from .format import ItemLocation, part_ranges, spare_key
 from .manage import NEVER, discard_save, gc, list_checkpoints
+from .node import node_id
 from .reader import KVStorageReader
+from .restore import RestoreStats, TieredStorageReader
 from .stores import open_store
 from .transfer import DirectoryReader, export_checkpoint
 from .writer import KVStorageWriter, _PlanData
@@ -142,6 +143,8 @@ class Tiers:
         self._busy: Counter[str] = Counter()  # checkpoint id -> background jobs on it
         self._renew_lease: Callable[..., None] = _no_renewal  # the running job's lease
         self._prefetch: Future[Restore | None] | None = None
+        #: where this rank's bytes came from in the last ``restore()``
+        self.last_restore_stats: RestoreStats | None = None
 
     @property
     def stores(self) -> list[str]:
@@ -461,46 +464,23 @@ class Tiers:
         except Exception as e:
             logger.warning("kvckpt tiers: prefetch failed, restoring from the shared tier: %s", e)
 
-    def _holds(self, tier: int, choice: Restore) -> bool:
-        """Whether ``tier`` holds the same save of the chosen checkpoint, whole."""
-        try:
-            infos = list_checkpoints(self.engines[tier])
-        except KVCheckpointError:
-            return False
-        return any(
-            i.checkpoint_id == choice.checkpoint_id
-            and i.created_at == choice.created_at
-            and i.complete
-            and not i.rank_local
-            for i in infos
-        )
-
     def latest(self) -> Restore | None:
-        """The newest complete checkpoint in any tier, from the fastest tier that holds it.
+        """The newest complete checkpoint in any tier, and the fastest tier holding its metadata.
 
         Collective when ``torch.distributed`` is initialised: rank 0 chooses and every rank
-        gets the same answer. A store that is not shared (LMDB) is used only when every rank
-        runs on one host: in a multi-node job each node's local store holds only its own ranks'
-        data, so the shared tiers serve the restore, unless every node's local store holds the
-        whole checkpoint (``prefetch()``). Waits for this process's ``prefetch()``.
+        gets the same answer. In a job of several nodes (``kvckpt.node``), a node-local store
+        is not searched for a newer checkpoint than the shared tiers hold, since it holds only
+        its own node's part; ``restore()`` still reads every item it holds. Waits for this
+        process's ``prefetch()``.
         """
         self._await_prefetch()
         if not (dist.is_available() and dist.is_initialized()):
             return self._choose(single_host=True)
-        hosts: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(hosts, socket.gethostname())
-        single_host = len(set(hosts)) == 1
-        choice = [self._choose(single_host) if dist.get_rank() == 0 else None]
+        nodes: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(nodes, node_id())
+        choice = [self._choose(len(set(nodes)) == 1) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(choice, src=0)
-        found = choice[0]
-        if found is None or single_host or found.tier == 0 or self.engines[0].shared:
-            return found
-        # Every node prefetched it: each rank reads its own node's copy.
-        local: list[bool | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(local, self._holds(0, found))
-        if all(local):
-            return dataclasses.replace(found, tier=0, source=self.engines[0].url)
-        return found
+        return choice[0]
 
     def _choose(self, single_host: bool) -> Restore | None:
         found: list[Restore] = []
@@ -537,20 +517,31 @@ class Tiers:
         )
 
     def reader(self, choice: Restore, **options: Any) -> StorageReader:
-        """The DCP ``StorageReader`` for a choice of ``latest()``."""
+        """The DCP ``StorageReader`` for a choice of ``latest()``: one that reads each item
+        from the nearest tier holding it (``TieredStorageReader``), or the durable directory's."""
         if choice.tier < len(self.engines):
-            return KVStorageReader(
-                self.engines[choice.tier], checkpoint_id=choice.checkpoint_id, **options
+            return TieredStorageReader(
+                self.engines,
+                checkpoint_id=choice.checkpoint_id,
+                created_at=choice.created_at,
+                **options,
             )
         return DirectoryReader(choice.source, **options)
 
     def restore(self, state_dict: dict[str, Any], **load_options: Any) -> Restore | None:
         """Load the newest checkpoint into ``state_dict`` in place (``dcp.load``); returns what
-        was loaded, or None when no tier holds a checkpoint (a fresh start)."""
+        was loaded, or None when no tier holds a checkpoint (a fresh start).
+
+        Each byte comes from the nearest place that holds it (``TieredStorageReader``): this
+        node's store, another node's (sent over the process group), then the shared tiers.
+        ``last_restore_stats`` then says where this rank's bytes came from."""
         choice = self.latest()
         if choice is None:
             return None
-        dcp.load(state_dict, storage_reader=self.reader(choice), **load_options)
+        reader = self.reader(choice)
+        dcp.load(state_dict, storage_reader=reader, **load_options)
+        if isinstance(reader, TieredStorageReader):
+            self.last_restore_stats = reader.stats
         return choice
 
 

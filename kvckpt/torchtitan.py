@@ -49,7 +49,6 @@ torchtitan.
 from __future__ import annotations
 
 import re
-import socket
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -82,6 +81,7 @@ from .errors import (
     StoreNotFoundError,
 )
 from .manage import latest_checkpoint, list_checkpoints
+from .node import node_id
 from .reader import KVStorageReader
 from .staging import background_stager
 from .stores import BUILTIN_SCHEMES, ENTRY_POINT_GROUP, open_store
@@ -273,7 +273,7 @@ class KVCheckpointManager(CheckpointManager):
         single_host = True
         if self.replica_urls:
             hosts: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(hosts, socket.gethostname())
+            dist.all_gather_object(hosts, node_id())
             single_host = len(set(hosts)) == 1
         found: list[Any] = [None]
         if dist.get_rank() == 0:

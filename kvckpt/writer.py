@@ -13,7 +13,6 @@ import functools
 import io
 import logging
 import os
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future as Future_
@@ -62,6 +61,7 @@ from .format import (
     spare_key,
 )
 from .manage import NEVER, discard_save, gc, spare_bytes
+from .node import node_id
 from .staging import accelerator_available, advise_huge_pages
 from .stores import open_store
 
@@ -111,7 +111,7 @@ def _store_identity(engine: Engine) -> str | None:
     identities differ write to different stores."""
     if engine.shared:
         return None
-    return f"{socket.gethostname()}|{engine.url}"
+    return f"{node_id()}|{engine.url}"
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

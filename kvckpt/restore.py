@@ -1,0 +1,623 @@
+"""Restore from the nearest place: ``TieredStorageReader``.
+
+A checkpoint saved through node-local stores lies spread over the nodes: each node's store
+holds what its own ranks wrote, and a shared tier (Redis) holds everything once the background
+copies are done. A restart should read each byte from the nearest place that holds it, once:
+
+1. what a rank's own node holds, from local memory;
+2. what another node's surviving store holds, from that node: one of its ranks reads it
+   locally and sends it over the restore's process group;
+3. only what no surviving node holds, from the shared tiers, in order: one rank reads each
+   such item and sends it to the other ranks that need it.
+
+How it plugs into ``dcp.load`` (``torch/distributed/checkpoint/state_dict_loader.py``): each
+rank reports, in its local plan, its node id and which of the checkpoint's items its node's
+store holds whole. The coordinator sees every rank's read requests and every node's holdings
+at once (``prepare_global_plan``) and gives each rank its route: the items it reads locally,
+the items it reads from the shared tiers, the items it sends and to whom, and the items it
+receives and from whom. Replicated items (DDP, the replica dimension of HSDP) are read from
+storage once and sent to every rank that needs them, instead of once per replica.
+
+A damaged or missing local copy (a checksum mismatch, a missing key, a store wiped meanwhile)
+sends the items it holds to the next tier, logged; the route itself does not change, so the
+exchange needs no second round of planning. Every rank learns whether any rank failed before
+the exchange starts (one all-reduce), so a failure never leaves the others waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from .adapter import KVStorageBase, byte_view, new_save_id, valid_checkpoint_id
+from .catalog import read_lease
+from .engines.base import Engine, byte_tensor
+from .errors import (
+    CheckpointNotFoundError,
+    KVCheckpointError,
+    StoreNotFoundError,
+)
+from .format import CheckpointRecord, gc_paused
+from .node import node_id
+from .reader import KVStorageReader, _ItemRead, fetch_parts
+from .stores import open_store
+
+logger = logging.getLogger(__name__)
+
+#: Where a rank's bytes came from, as ``TieredStorageReader.stats`` counts them.
+LOCAL, PEERS, SENT = "local", "peers", "sent"
+
+
+@dataclass(frozen=True)
+class _Holdings:
+    """A rank's local plan's ``storage_data``: its node, the save it found, and which of the
+    checkpoint's items (by position in the metadata) its node's store holds whole."""
+
+    node: str
+    save_id: str
+    held: bytes  # numpy.packbits over the items
+
+
+@dataclass(frozen=True)
+class Route:
+    """A rank's part of a restore, decided by the coordinator (its global plan's
+    ``storage_data``). Items are positions in the checkpoint's metadata."""
+
+    #: items this rank reads from its own node's store (for itself, or to send)
+    local: tuple[int, ...] = ()
+    #: items it reads from the shared tiers (for itself, or to send)
+    shared: tuple[int, ...] = ()
+    #: (item, rank) pairs: the items it sends, and where
+    send: tuple[tuple[int, int], ...] = ()
+    #: (item, rank) pairs: the items it receives, and from where
+    receive: tuple[tuple[int, int], ...] = ()
+
+
+def plan_routes(
+    nodes: Sequence[str],
+    held: dict[str, np.ndarray],
+    requests: Sequence[set[int]],
+    sizes: Sequence[int],
+) -> list[Route]:
+    """Route every requested item from its nearest source, reading each from storage once.
+
+    ``nodes[r]`` is rank r's node, ``held[node]`` a boolean array over the items (what that
+    node's store holds whole), ``requests[r]`` the items rank r reads, ``sizes`` each item's
+    bytes. Sends are spread over the ranks that can serve an item, fewest bytes first.
+    """
+    world = len(nodes)
+    local: list[set[int]] = [set() for _ in range(world)]
+    shared: list[set[int]] = [set() for _ in range(world)]
+    send: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    receive: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    served = [0] * world  # bytes each rank sends
+    wanted: dict[int, list[int]] = defaultdict(list)
+    for rank, items in enumerate(requests):
+        for item in items:
+            wanted[item].append(rank)
+    no_items = np.zeros(len(sizes), dtype=bool)
+    for item in sorted(wanted):
+        ranks = wanted[item]
+        holders = {n for n in set(nodes) if held.get(n, no_items)[item]}
+        near = [r for r in ranks if nodes[r] in holders]
+        far = [r for r in ranks if nodes[r] not in holders]
+        for r in near:
+            local[r].add(item)
+        if not far:
+            continue
+        if holders:
+            # a rank that reads it locally anyway, else any rank of a node that holds it
+            candidates = near or [r for r in range(world) if nodes[r] in holders]
+            source = min(candidates, key=lambda r: (served[r], r))
+            local[source].add(item)
+        else:
+            source = min(far, key=lambda r: (served[r], r))
+            shared[source].add(item)
+            far.remove(source)
+        for r in far:
+            send[source].append((item, r))
+            receive[r].append((item, source))
+            served[source] += sizes[item]
+    return [
+        Route(tuple(sorted(local[r])), tuple(sorted(shared[r])), tuple(send[r]), tuple(receive[r]))
+        for r in range(world)
+    ]
+
+
+@dataclass
+class RestoreStats:
+    """Where one rank's restore got its bytes (``TieredStorageReader.stats``).
+
+    Attributes:
+        local: bytes read from this node's own store.
+        shared: bytes read from each shared tier, by URL (password masked).
+        peers: bytes received from other ranks (read by them from their nodes' stores or a
+            shared tier).
+        sent: bytes this rank sent to other ranks.
+        fallbacks: items that a tier could not serve whole and the next tier did.
+        seconds: the time ``read_data`` took on this rank.
+    """
+
+    local: int = 0
+    shared: dict[str, int] = field(default_factory=dict)
+    peers: int = 0
+    sent: int = 0
+    fallbacks: int = 0
+    seconds: float = 0.0
+
+
+class TieredStorageReader(KVStorageBase, StorageReader):
+    """DCP ``StorageReader`` that restores each byte from the nearest place that holds it.
+
+    Args:
+        stores: store URLs or engines, fastest first, as ``kvckpt.Tiers`` takes them: a
+            node-local store (LMDB) first, then shared ones (Redis). A node-local store that
+            does not exist on this node (a replaced node) holds nothing; it is not created.
+        checkpoint_id: the checkpoint to load when ``dcp.load`` gets no ``checkpoint_id``.
+        created_at: load only the save committed at this time (``kvckpt.Restore.created_at``):
+            a tier holding an older save under the same id does not count.
+        process_group: the group the ranks exchange items over. Default: the default group
+            when its backend is gloo, else a gloo group over the same ranks (the items travel
+            in host memory).
+        verify: check each value against the checksum recorded at save, on every tier
+            (default: wherever the save recorded them). A mismatch sends the item to the next
+            tier.
+        weights_only, lease: as ``KVStorageReader``'s, for every tier.
+
+    After a load, ``stats`` says where this rank's bytes came from (``RestoreStats``).
+    """
+
+    def __init__(
+        self,
+        stores: Sequence[str | Engine],
+        *,
+        checkpoint_id: str | os.PathLike | None = None,
+        created_at: float | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        weights_only: bool = True,
+        verify: bool | None = None,
+        lease: float = 60.0,
+    ) -> None:
+        super().__init__()
+        if not stores:
+            raise ValueError("TieredStorageReader needs at least one store")
+        self.engines: list[Engine | None] = []
+        for store in stores:
+            try:
+                self.engines.append(open_store(store, create=False))
+            except StoreNotFoundError:
+                self.engines.append(None)  # a node-local store this node does not have
+        self.checkpoint_id = valid_checkpoint_id(checkpoint_id)
+        self.created_at = created_at
+        self.process_group = process_group
+        # A fast tier is checked before it is trusted: every value saved with a checksum.
+        self.options: dict[str, Any] = dict(
+            weights_only=weights_only, verify=True if verify is None else verify
+        )
+        self.lease = lease
+        self.load_id = new_save_id()
+        self.stats = RestoreStats()
+        self._record: CheckpointRecord | None = None
+        self._readers: dict[int, KVStorageReader] = {}
+        self._leases = contextlib.ExitStack()
+        self._renewals: list[Callable[[], None]] = []
+        self._group: dist.ProcessGroup | None = None
+        self._indexes: list[MetadataIndex] | None = None
+
+    @property
+    def engine(self) -> Engine:  # type: ignore[override]  # KVStorageBase's, for messages
+        return next(e for e in self.engines if e is not None)
+
+    def _local(self) -> int | None:
+        """The position of this node's own store, if it has one (the first, not shared)."""
+        first = self.engines[0]
+        return 0 if first is not None and not first.shared else None
+
+    def _shared(self) -> list[int]:
+        return [i for i, e in enumerate(self.engines) if e is not None and e.shared]
+
+    def _reader(self, tier: int) -> KVStorageReader:
+        """The plain reader of one tier, set up with the chosen record."""
+        if tier not in self._readers:
+            engine = self.engines[tier]
+            assert engine is not None
+            reader = KVStorageReader(engine, checkpoint_id=self.checkpoint_id, **self.options)
+            reader._record = self._record
+            self._readers[tier] = reader
+        return self._readers[tier]
+
+    # -- DCP StorageReader --------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.checkpoint_id = valid_checkpoint_id(checkpoint_id)
+        self.load_id = new_save_id()
+        self.stats = RestoreStats()
+        self._record = None
+        self._indexes = None
+        self._readers = {}
+        self._release_leases()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise KVCheckpointError(
+                "TieredStorageReader restores checkpoints saved by every rank together, not "
+                "rank-local ones (use_collectives=False); load those with KVStorageReader"
+            )
+        checkpoint_id = self._require_id()
+        self._release_leases()
+        found: list[str] = []
+        for engine in self.engines:
+            if engine is None:
+                continue
+            try:
+                # The lease comes first (KVStorageReader.read_metadata says why).
+                renew = self._leases.enter_context(read_lease(engine, checkpoint_id, self.lease))
+                record = KVStorageReader(engine, checkpoint_id=checkpoint_id).read_record()
+            except CheckpointNotFoundError:
+                found.append(f"{engine.url}: no checkpoint {checkpoint_id!r}")
+                continue
+            except KVCheckpointError as e:
+                logger.warning("kvckpt restore skips %s: %s", engine.url, e)
+                found.append(f"{engine.url}: {e}")
+                continue
+            if self.created_at is not None and record.created_at != self.created_at:
+                found.append(f"{engine.url}: another save of {checkpoint_id!r}")
+                continue
+            self._renewals.append(renew)
+            self._record, self._indexes, self._readers = record, None, {}
+            break
+        if self._record is None:
+            self._release_leases()
+            raise CheckpointNotFoundError(
+                f"no store holds checkpoint {checkpoint_id!r}"
+                + ("" if self.created_at is None else f" saved at {self.created_at}")
+                + ": "
+                + "; ".join(found)
+            )
+        # Shared tiers keep the data their metadata names while this load runs, too.
+        for tier in self._shared():
+            engine = self.engines[tier]
+            assert engine is not None
+            with contextlib.suppress(KVCheckpointError):
+                self._renewals.append(
+                    self._leases.enter_context(read_lease(engine, checkpoint_id, self.lease))
+                )
+        metadata = self._record.metadata
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if self._record is None or self._record.metadata is not metadata:
+            raise KVCheckpointError("set_up_storage_reader got metadata this reader did not read")
+        self._group = self._exchange_group()
+
+    def _exchange_group(self) -> dist.ProcessGroup | None:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        if self.process_group is not None:
+            return self.process_group
+        if dist.get_backend() == "gloo":
+            return dist.group.WORLD
+        return dist.new_group(backend="gloo")
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        record = self._record
+        assert record is not None
+        held = self._held(record)
+        return dataclasses.replace(
+            plan, storage_data=_Holdings(node_id(), record.save_id, np.packbits(held).tobytes())
+        )
+
+    def _items(self) -> list[MetadataIndex]:
+        """The checkpoint's items in one order every rank agrees on, whichever tier its
+        metadata came from: the positions routes speak of."""
+        record = self._record
+        assert record is not None
+        if self._indexes is None:
+            self._indexes = sorted(
+                record.locations, key=lambda i: (i.fqn, tuple(i.offset or ()), i.index or 0)
+            )
+        return self._indexes
+
+    def _held(self, record: CheckpointRecord) -> np.ndarray:
+        """Which items this node's store holds whole (every part, of the right size)."""
+        indexes = self._items()
+        held = np.zeros(len(indexes), dtype=bool)
+        tier = self._local()
+        if tier is None:
+            return held
+        engine = self.engines[tier]
+        assert engine is not None
+        keys: list[str] = []
+        owner: list[tuple[int, int]] = []  # (item, expected size) of each key
+        for i, index in enumerate(indexes):
+            loc = record.locations[index]
+            item_keys = loc.keys(engine.prefix, record.checkpoint_id, record.save_id)
+            for p, key in enumerate(item_keys):
+                keys.append(key)
+                owner.append((i, min(loc.part_bytes, loc.nbytes - p * loc.part_bytes)))
+        try:
+            sizes = engine.value_sizes(keys)
+        except KVCheckpointError as e:
+            logger.warning("kvckpt restore: %s holds nothing usable: %s", engine.url, e)
+            return held
+        held[:] = True
+        for (i, want), got in zip(owner, sizes, strict=True):
+            if got != want:
+                held[i] = False
+        return held
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        record = self._record
+        assert record is not None
+        reports: list[_Holdings] = [p.storage_data for p in plans]
+        saves = sorted({r.save_id for r in reports})
+        if len(saves) > 1:
+            raise KVCheckpointError(
+                f"checkpoint {record.checkpoint_id!r}: the ranks found different saves "
+                f"({', '.join(saves)}), a re-save committed while this load started. Nothing "
+                "was loaded; load again."
+            )
+        indexes = self._items()
+        count = len(indexes)
+        positions = {index: i for i, index in enumerate(indexes)}
+        held: dict[str, np.ndarray] = {}
+        for report in reports:
+            bits = np.unpackbits(np.frombuffer(report.held, dtype=np.uint8), count=count)
+            held[report.node] = held.get(report.node, np.zeros(count, dtype=bool)) | bits.astype(
+                bool
+            )
+        requests = [{positions[req.storage_index] for req in p.items} for p in plans]
+        sizes = [record.locations[index].nbytes for index in indexes]
+        routes = plan_routes([r.node for r in reports], held, requests, sizes)
+        return [
+            dataclasses.replace(plan, storage_data=route)
+            for plan, route in zip(plans, routes, strict=True)
+        ]
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        record = self._record
+        if record is None:
+            raise KVCheckpointError("read_data called before read_metadata")
+        started = time.perf_counter()
+        try:
+            with gc_paused():
+                self._read_all(record, plan, planner)
+        finally:
+            self._release_leases()
+            self.stats.seconds = time.perf_counter() - started
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _release_leases(self) -> None:
+        self._renewals = []
+        leases, self._leases = self._leases, contextlib.ExitStack()
+        leases.close()
+
+    # -- the restore itself -------------------------------------------------------------------
+
+    def _read_all(self, record: CheckpointRecord, plan: LoadPlan, planner: LoadPlanner) -> None:
+        route: Route = plan.storage_data
+        indexes = self._items()
+        wanted: dict[int, list[ReadItem]] = defaultdict(list)
+        positions = {index: i for i, index in enumerate(indexes)}
+        for req in plan.items:
+            wanted[positions[req.storage_index]].append(req)
+        sending = {item for item, _ in route.send}
+        outgoing: dict[int, torch.Tensor] = {}
+        error: BaseException | None = None
+        try:
+            local_tiers = [] if self._local() is None else [0]
+            for items, tiers in ((route.local, local_tiers), (route.shared, [])):
+                tiers = [*tiers, *self._shared()]
+                own = [i for i in items if i not in sending]
+                self._read_into_targets(record, own, wanted, planner, tiers)
+                for item in (i for i in items if i in sending):
+                    outgoing[item] = self._read_bytes(record, item, tiers)
+                    if item in wanted:
+                        self._item_read(record, indexes[item], wanted[item], planner).apply(
+                            byte_view(outgoing[item])
+                        )
+        except BaseException as e:  # every rank must hear of it before the exchange
+            error = e
+        self._all_ok(error)
+        self._exchange(record, route, indexes, wanted, outgoing, planner)
+
+    def _item_read(
+        self,
+        record: CheckpointRecord,
+        index: MetadataIndex,
+        reqs: list[ReadItem],
+        planner: LoadPlanner,
+    ) -> _ItemRead:
+        reader = self._reader(self._first_tier())
+        return _ItemRead(reader, record, index, record.locations[index], reqs, planner)
+
+    def _first_tier(self) -> int:
+        return next(i for i, e in enumerate(self.engines) if e is not None)
+
+    def _read_into_targets(
+        self,
+        record: CheckpointRecord,
+        items: list[int],
+        wanted: dict[int, list[ReadItem]],
+        planner: LoadPlanner,
+        tiers: list[int],
+    ) -> None:
+        """Read ``items`` into the planner's targets from the first of ``tiers`` that holds
+        each whole; an item a tier cannot serve (missing, damaged, corrupted) goes to the
+        next, logged."""
+        indexes = self._items()
+        todo = items
+        for n, tier in enumerate(tiers):
+            if not todo:
+                return
+            reader = self._reader(tier)
+            try:
+                self._read_items(reader, record, [indexes[i] for i in todo], wanted, planner)
+                self._count(tier, record, todo)
+                return
+            except KVCheckpointError as e:
+                if n == len(tiers) - 1:
+                    raise
+                failed = self._failing(reader, record, todo, wanted, planner, indexes)
+                self._fell_back(tier, tiers[n + 1], len(failed), e)
+                self._count(tier, record, [i for i in todo if i not in failed])
+                todo = sorted(failed)
+        if todo:
+            raise KVCheckpointError(f"no tier holds {len(todo)} items of {record.checkpoint_id!r}")
+
+    def _read_items(
+        self,
+        reader: KVStorageReader,
+        record: CheckpointRecord,
+        indexes: list[MetadataIndex],
+        wanted: dict[int, list[ReadItem]],
+        planner: LoadPlanner,
+    ) -> None:
+        positions = {index: i for i, index in enumerate(self._items())}
+        reqs = [req for index in indexes for req in wanted[positions[index]]]
+        reader._read_all(record, LoadPlan(reqs), planner)
+
+    def _failing(
+        self,
+        reader: KVStorageReader,
+        record: CheckpointRecord,
+        items: list[int],
+        wanted: dict[int, list[ReadItem]],
+        planner: LoadPlanner,
+        indexes: list[MetadataIndex],
+    ) -> set[int]:
+        """After a batch failed on a tier: read its items one by one there, and return the
+        ones that tier cannot serve."""
+        failed = set()
+        for i in items:
+            try:
+                self._read_items(reader, record, [indexes[i]], wanted, planner)
+            except KVCheckpointError:
+                failed.add(i)
+        return failed
+
+    def _read_bytes(self, record: CheckpointRecord, item: int, tiers: list[int]) -> torch.Tensor:
+        """One item's whole value, from the first of ``tiers`` that holds it whole."""
+        index = self._items()[item]
+        loc = record.locations[index]
+        out = torch.empty(loc.nbytes, dtype=torch.uint8)
+        for n, tier in enumerate(tiers):
+            reader = self._reader(tier)
+
+            def part(_: int, start: int, view: memoryview) -> None:
+                if view.nbytes:
+                    out[start : start + view.nbytes].copy_(byte_tensor(view))
+
+            try:
+                fetch_parts(reader.engine, record, [(index, loc)], part, verify=reader.verify)
+            except KVCheckpointError as e:
+                if n == len(tiers) - 1:
+                    raise
+                self._fell_back(tier, tiers[n + 1], 1, e)
+                continue
+            self._count(tier, record, [item])
+            return out
+        raise KVCheckpointError(f"no tier holds {index.fqn!r} of {record.checkpoint_id!r}")
+
+    def _fell_back(self, tier: int, to: int, items: int, error: BaseException) -> None:
+        source, target = self.engines[tier], self.engines[to]
+        assert source is not None and target is not None
+        self.stats.fallbacks += items
+        logger.warning(
+            "kvckpt restore: %d item(s) of %r read from %s instead of %s: %s",
+            items,
+            self.checkpoint_id,
+            target.url,
+            source.url,
+            error,
+        )
+
+    def _count(self, tier: int, record: CheckpointRecord, items: list[int]) -> None:
+        indexes = self._items()
+        nbytes = sum(record.locations[indexes[i]].nbytes for i in items)
+        engine = self.engines[tier]
+        assert engine is not None
+        if engine.shared:
+            self.stats.shared[engine.url] = self.stats.shared.get(engine.url, 0) + nbytes
+        else:
+            self.stats.local += nbytes
+
+    def _all_ok(self, error: BaseException | None) -> None:
+        """Every rank learns whether any rank failed its reads; all fail together, the failed
+        one with its own error."""
+        if self._group is not None:
+            flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+            dist.all_reduce(flag, group=self._group)
+            failed = int(flag.item())
+        else:
+            failed = 0 if error is None else 1
+        if error is not None:
+            raise error
+        if failed:
+            raise KVCheckpointError(
+                f"restoring {self.checkpoint_id!r}: {failed} other rank(s) could not read "
+                "their share (their logs say why); nothing was exchanged"
+            )
+
+    def _exchange(
+        self,
+        record: CheckpointRecord,
+        route: Route,
+        indexes: list[MetadataIndex],
+        wanted: dict[int, list[ReadItem]],
+        outgoing: dict[int, torch.Tensor],
+        planner: LoadPlanner,
+    ) -> None:
+        """Send and receive the routed items; each received item goes straight into its
+        target tensor where it can (a whole stored chunk into a contiguous CPU tensor)."""
+        if not route.send and not route.receive:
+            return
+        ops = []
+        for item, peer in route.send:
+            if outgoing[item].numel():
+                ops.append(dist.P2POp(dist.isend, outgoing[item], peer, self._group, tag=item))
+                self.stats.sent += outgoing[item].numel()
+        landing: list[tuple[_ItemRead, torch.Tensor | None]] = []
+        for item, peer in route.receive:
+            read = self._item_read(record, indexes[item], wanted[item], planner)
+            nbytes = read.loc.nbytes
+            buffer = None
+            if read.dest is not None:
+                into = byte_tensor(read.dest) if nbytes else None
+            else:
+                into = buffer = torch.empty(nbytes, dtype=torch.uint8)
+            if into is not None and nbytes:
+                ops.append(dist.P2POp(dist.irecv, into, peer, self._group, tag=item))
+            landing.append((read, buffer))
+            self.stats.peers += nbytes
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for read, buffer in landing:
+            if buffer is None and read.dest is not None:
+                read.commit()
+            else:
+                read.apply(byte_view(buffer) if buffer is not None else memoryview(b""))

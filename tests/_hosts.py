@@ -1,0 +1,120 @@
+"""Rank functions for restore-at-scale tests: gloo ranks on simulated hosts.
+
+Each rank's host is ``KVCKPT_NODE=host<h>`` (``ranks_per_host`` consecutive ranks per host), and
+each host has its own node-local LMDB store, ``<root>/host<h>``: what a job of several nodes
+looks like from one machine. The state is half replicated (DDP: plain tensors every rank holds
+whole) and half sharded (FSDP: DTensors sharded over the ranks on dim 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import redis
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from kvckpt import Tiers
+from kvckpt.restore import TieredStorageReader
+
+from ._dist import _finish, _init
+
+
+def full_state(mib: float) -> dict[str, torch.Tensor]:
+    """The whole state: ``mib`` MiB, half in 4 replicated tensors, half in 4 sharded ones."""
+    g = torch.Generator().manual_seed(7)
+    rows = max(8, int(mib * (1 << 20) / 2 / 4 / 4 / 64))  # float32 x 64 columns
+    state = {f"rep{i}": torch.randn(rows, 64, generator=g) for i in range(4)}
+    state |= {f"shard{i}": torch.randn(rows * 8, 8, generator=g) for i in range(4)}
+    return state
+
+
+def rank_state(world: int, mib: float, zeros: bool = False) -> dict[str, torch.Tensor]:
+    full = full_state(mib)
+    if zeros:
+        full = {k: torch.zeros_like(v) for k, v in full.items()}
+    mesh = init_device_mesh("cpu", (world,))
+    return {
+        k: distribute_tensor(v, mesh, [Shard(0)]) if k.startswith("shard") else v.clone()
+        for k, v in full.items()
+    }
+
+
+def host_url(root: str, rank: int, ranks_per_host: int) -> str:
+    return f"lmdb://{root}/host{rank // ranks_per_host}"
+
+
+def _as_host(rank: int, ranks_per_host: int) -> None:
+    os.environ["KVCKPT_NODE"] = f"host{rank // ranks_per_host}"
+
+
+def save_worker(
+    rank: int, world: int, port: int, root: str, redis_url: str, ranks_per_host: int, mib: float
+) -> None:
+    _as_host(rank, ranks_per_host)
+    _init(rank, world, port)
+    tiers = Tiers([host_url(root, rank, ranks_per_host), redis_url])
+    dcp.save(rank_state(world, mib), storage_writer=tiers.writer(), checkpoint_id="step-1")
+    tiers.close()
+    _finish()
+
+
+def restore_worker(
+    rank: int,
+    world: int,
+    port: int,
+    cases: list[tuple[str, str, bool]],
+    redis_url: str,
+    ranks_per_host: int,
+    mib: float,
+    out: str,
+) -> None:
+    """Restore each case (name, root of its hosts' stores, through ``Tiers`` or the reader
+    alone) in turn; write each rank's counters, and rank 0 what Redis served, per case."""
+    _as_host(rank, ranks_per_host)
+    _init(rank, world, port)
+    client = redis.Redis.from_url(redis_url)
+    want = full_state(mib)
+    for name, root, use_tiers in cases:
+        state = rank_state(world, mib, zeros=True)
+        stores = [host_url(root, rank, ranks_per_host), redis_url]
+        dist.barrier()
+        before = int(client.info("stats")["total_net_output_bytes"])
+        dist.barrier()
+        if use_tiers:
+            tiers = Tiers(stores)
+            restored = tiers.restore(state)
+            assert restored is not None and restored.checkpoint_id == "step-1"
+            stats = tiers.last_restore_stats
+            assert stats is not None
+            tiers.close()
+        else:
+            reader = TieredStorageReader(stores, checkpoint_id="step-1")
+            dcp.load(state, storage_reader=reader)
+            stats = reader.stats
+        dist.barrier()
+        served = int(client.info("stats")["total_net_output_bytes"]) - before
+        exact = True
+        for k, v in state.items():
+            got = v.full_tensor() if isinstance(v, DTensor) else v
+            exact &= bool(torch.equal(got, want[k]))
+        Path(out, f"{name}.rank{rank}.json").write_text(
+            json.dumps(
+                {
+                    "exact": exact,
+                    "local": stats.local,
+                    "shared": sum(stats.shared.values()),
+                    "peers": stats.peers,
+                    "sent": stats.sent,
+                    "fallbacks": stats.fallbacks,
+                    "served": served,
+                }
+            )
+        )
+    client.close()
+    _finish()
