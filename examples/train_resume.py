@@ -21,8 +21,12 @@ function of s and the rank) and each rank's RNG state are checkpointed.
     # 2 ranks, checkpoints in node-local LMDB, copied to Redis in the background;
     # torchrun restarts the job once when a rank dies
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/train_resume.py \\
-        --store lmdb:///dev/shm/kvckpt-demo --store redis://localhost:6379 \\
+        --store "lmdb:///dev/shm/kvckpt-demo?prefix=train-resume" \\
+        --store "redis://localhost:6379/0?prefix=train-resume" \\
         --steps 40 --every 5 --kill-at-step 23 --kill-rank 1
+
+Each store URL names a namespace of its own (``?prefix=``): another job's checkpoints in the
+same Redis (``examples/demo.py``'s, say) are then never this job's to restore.
 
 ``--store`` takes kvckpt URLs (the first is written synchronously; later ones get background
 copies, see ``kvckpt.Tiers``) or ``dcp:DIR`` for DCP's own ``FileSystemWriter`` (the baseline

@@ -45,6 +45,11 @@ class UnsupportedFormatVersionError(MetadataError):
     """Stored metadata was written by a newer kvckpt."""
 
 
+class ShapeMismatchError(KVCheckpointError, ValueError):
+    """A checkpoint's tensors have other shapes than the state dict it is loaded into: it was
+    saved from another model, or by another job that uses the same store namespace."""
+
+
 class DataError(KVCheckpointError):
     """A data value is missing or has the wrong size: the checkpoint is damaged."""
 

@@ -14,13 +14,21 @@ import io
 import logging
 import os
 import re
+import sys
 import threading
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -41,6 +49,7 @@ from .errors import (
     IntegrityError,
     KVCheckpointError,
     MetadataError,
+    ShapeMismatchError,
     UnsafeObjectError,
 )
 from .format import (
@@ -213,6 +222,44 @@ class KVStorageReader(KVStorageBase, StorageReader):
     ) -> None:
         if self._record is None or self._record.metadata is not metadata:
             raise KVCheckpointError("set_up_storage_reader got metadata this reader did not read")
+        self._check_shapes(metadata, _calling_load_planner())
+
+    def _check_shapes(self, metadata: Metadata, planner: LoadPlanner | None) -> None:
+        """Fail with one clear error when the state dict's tensors have other shapes than the
+        checkpoint's, before DCP's planner fails on the first of them without naming the
+        checkpoint or the store.
+
+        Only for planners that keep DCP's default plan (``DefaultLoadPlanner`` and subclasses
+        that do not override ``create_local_plan``), which refuse any such mismatch: a planner
+        with a plan of its own may accept one (Megatron's ``MCoreLoadPlanner`` does, for the
+        tensors it is told to).
+        """
+        if planner is None or not isinstance(planner, DefaultLoadPlanner):
+            return
+        if type(planner).create_local_plan is not DefaultLoadPlanner.create_local_plan:
+            return
+        state_dict = getattr(planner, "state_dict", None)
+        if not isinstance(state_dict, dict):
+            return
+        mismatched: list[tuple[str, torch.Size, Any]] = []
+        for fqn, obj in state_dict.items():
+            md = metadata.state_dict_metadata.get(fqn)
+            size = getattr(obj, "size", None)
+            if isinstance(md, TensorStorageMetadata) and callable(size) and md.size != size():
+                mismatched.append((fqn, md.size, size()))
+        if not mismatched:
+            return
+        self._release_lease()
+        fqn, saved, wanted = mismatched[0]
+        others = len(mismatched) - 1
+        more = f" (and {others} more tensor{'s' if others > 1 else ''})" if others else ""
+        raise ShapeMismatchError(
+            f"checkpoint {self.checkpoint_id!r} in {self.engine.url} does not fit the state dict "
+            f"it is loaded into: {fqn!r} is {list(saved)} in the checkpoint and "
+            f"{list(wanted)} in the state dict{more}. It was saved from another model, or by "
+            f"another job using the same namespace (prefix {self.engine.prefix!r}): give each "
+            "job a namespace of its own with ?prefix=NAME in the store URL. Nothing was loaded."
+        )
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         # Each rank reads the metadata itself; a re-save of the id committed between two
@@ -357,6 +404,25 @@ SAFE_OBJECT_TYPES: tuple[type, ...] = (
     datetime.timezone,
 )
 _safe_types_lock = threading.Lock()
+
+
+def _calling_load_planner() -> LoadPlanner | None:
+    """The planner of the ``dcp.load`` that called ``set_up_storage_reader``, or None.
+
+    DCP hands a storage reader the metadata but not the state dict. It sets the planner up with
+    the state dict just before ``set_up_storage_reader`` and keeps it in a local variable
+    ``planner`` of the calling frame (``_load_state_dict``'s ``local_step`` in torch 2.13). Where
+    a torch version keeps it elsewhere, this returns None and DCP's own check remains.
+    """
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(3):
+        if frame is None:
+            return None
+        planner = frame.f_locals.get("planner")
+        if isinstance(planner, LoadPlanner):
+            return planner
+        frame = frame.f_back
+    return None
 
 
 @contextlib.contextmanager
