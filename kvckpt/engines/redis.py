@@ -724,7 +724,10 @@ def check_redis_py_options(opts: dict[str, str], url: str, scheme: str, ours: An
     valid ones: redis-py would otherwise fail on the first connection with a ``TypeError``
     about a keyword argument."""
     valid = redis_py_options(scheme)
-    reject_unknown_options((k for k in opts if k not in valid), url, "Redis URL", [*ours, *valid])
+    unknown = [k for k in opts if k not in valid]
+    tls = any(k.startswith("ssl_") for k in unknown) and not scheme.startswith("rediss")
+    note = " (TLS options need a rediss:// URL)" if tls else ""
+    reject_unknown_options(unknown, url, "Redis URL", [*ours, *valid], note)
 
 
 def take_redis_options(opts: dict[str, str], url: str) -> dict[str, Any]:
