@@ -207,8 +207,9 @@ def ls_command(url: str, show_all: bool, as_json: bool) -> None:
     Example:
       kvckpt ls redis://localhost:6379/0 --all
     """
-    engine = open_store(url, create=False)  # a store that is not there: exit 3, not "none"
-    infos = manage.list_checkpoints(engine, include_incomplete=show_all)
+    engine = open_store(url, create=False)
+    # a store that is not there is an error (exit 3), not "no checkpoints": a mistyped path
+    infos = manage.stored_checkpoints(engine, include_incomplete=show_all)
     if as_json:
         _emit([i.to_json() for i in infos])
         return

@@ -190,9 +190,14 @@ def list_checkpoints(
     checkpoints: the answer is ``[]``, and nothing is created.
     """
     try:
-        engine = _engine(store)
+        return stored_checkpoints(_engine(store), include_incomplete=include_incomplete)
     except StoreNotFoundError:
         return []
+
+
+def stored_checkpoints(engine: Engine, *, include_incomplete: bool = False) -> list[CheckpointInfo]:
+    """``list_checkpoints``, but a store that does not exist is an error
+    (``StoreNotFoundError``): for ``kvckpt ls``, where it is most likely a mistyped path."""
     return _infos(read_index(engine), engine.url, include_incomplete)
 
 

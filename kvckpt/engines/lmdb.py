@@ -444,6 +444,8 @@ class LMDBEngine(Engine):
         if self._shared is None or self._pid != os.getpid():
             try:
                 self._shared = _SharedEnv.acquire(self.path, self.create, **self._options)
+            except StoreNotFoundError:  # an OSError too (FileNotFoundError): it says it all
+                raise
             except (OSError, lmdb.Error) as e:
                 raise StoreUnavailableError(
                     f"cannot open LMDB environment at {self.path}: {e}. Check that the "
