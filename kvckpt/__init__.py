@@ -1,4 +1,14 @@
-"""kvckpt: PyTorch Distributed Checkpoint (DCP) storage in key-value stores (LMDB, Redis)."""
+"""kvckpt: PyTorch Distributed Checkpoint (DCP) storage in key-value stores (LMDB, Redis).
+
+``import kvckpt`` does not import torch: the names that need it (the storage writer and
+reader, tiers, staging, ``DirectoryReader``) are imported on first access, so listing, inspecting
+and deleting checkpoints (``kvckpt ls``, ``latest_checkpoint``) start quickly.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .engines.base import Engine
 from .errors import (
@@ -29,12 +39,42 @@ from .manage import (
     latest_checkpoint,
     list_checkpoints,
 )
-from .reader import KVStorageReader
-from .staging import background_stager
 from .stores import open_store
-from .tiered import Restore, TieredStorageWriter, Tiers
-from .transfer import DirectoryReader
-from .writer import KVStorageWriter
+
+if TYPE_CHECKING:
+    from .reader import KVStorageReader
+    from .restore import RestoreStats, TieredStorageReader
+    from .staging import background_stager
+    from .tiered import Restore, TieredStorageWriter, Tiers
+    from .transfer import DirectoryReader
+    from .writer import KVStorageWriter
+
+#: name -> module of the public names that import torch, imported on first access
+_LAZY = {
+    "RestoreStats": "restore",
+    "TieredStorageReader": "restore",
+    "KVStorageReader": "reader",
+    "background_stager": "staging",
+    "Restore": "tiered",
+    "TieredStorageWriter": "tiered",
+    "Tiers": "tiered",
+    "DirectoryReader": "transfer",
+    "KVStorageWriter": "writer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "CheckpointInfo",
@@ -54,11 +94,13 @@ __all__ = [
     "ReadOnlyStoreError",
     "ReplicationError",
     "Restore",
+    "RestoreStats",
     "SaveAbandonedError",
     "ShapeMismatchError",
     "StoreFullError",
     "StoreNotFoundError",
     "StoreUnavailableError",
+    "TieredStorageReader",
     "TieredStorageWriter",
     "Tiers",
     "UnsafeObjectError",

@@ -15,10 +15,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from .engines.base import Engine
 from .errors import (
@@ -38,6 +37,9 @@ from .format import (
     meta_prefix,
     parse_meta_key,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 logger = logging.getLogger(__name__)
 

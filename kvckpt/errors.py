@@ -27,8 +27,11 @@ class ReadOnlyStoreError(StoreUnavailableError):
     """The store takes no writes (a Redis replica): save, delete and gc go to its primary."""
 
 
-class CheckpointNotFoundError(KVCheckpointError, LookupError):
-    """No committed checkpoint has the requested id."""
+class CheckpointNotFoundError(KVCheckpointError, LookupError, FileNotFoundError):
+    """No committed checkpoint has the requested id.
+
+    Also a ``FileNotFoundError``, the error that training frameworks' checkpoint loaders
+    (torchtitan's, Lightning's) catch for a step that was never saved."""
 
 
 class StoreNotFoundError(CheckpointNotFoundError):

@@ -16,21 +16,11 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import msgpack
-import torch
 import xxhash
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 from .errors import InvalidCheckpointIdError, MetadataError, UnsupportedFormatVersionError
 from .urls import validate_name
@@ -51,10 +41,37 @@ MAX_RANKS = 1_000_000
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("kvckpt stores tensors little-endian and needs a little-endian machine")
 
-#: name -> dtype for every torch dtype ("float32", "bfloat16", "float8_e4m3fn", "bool", ...).
-DTYPES: dict[str, torch.dtype] = {
-    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
-}
+# torch is imported by the functions that build or read DCP's objects, not by this module:
+# the key schema, ``decode_data_keys`` and ``decode_summary`` serve the command line's listing,
+# inspecting and deleting, which never need torch.
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    #: name -> dtype for every torch dtype ("float32", "bfloat16", "float8_e4m3fn", "bool", ...).
+    DTYPES: dict[str, torch.dtype]
+
+_dtypes: dict[str, torch.dtype] | None = None
+
+
+def _dtype_table() -> dict[str, torch.dtype]:
+    """``DTYPES``, built (importing torch) on first use."""
+    global _dtypes
+    if _dtypes is None:
+        import torch
+
+        _dtypes = {
+            str(v).removeprefix("torch."): v
+            for v in vars(torch).values()
+            if isinstance(v, torch.dtype)
+        }
+    return _dtypes
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":
+        return _dtype_table()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -242,6 +259,8 @@ def chunk_table(
 ) -> dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, list[int]]]:
     """(fqn, chunk offsets) -> (dtype, chunk sizes) for every tensor chunk: one dict lookup per
     item, where scanning a tensor's chunk list per item would be quadratic in its chunks."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     return {
         (fqn, tuple(chunk.offsets)): (md.properties.dtype, list(chunk.sizes))
         for fqn, md in metadata.state_dict_metadata.items()
@@ -283,7 +302,10 @@ def _packb(obj: Any) -> bytes:
 
 def _ext_hook(code: int, data: bytes) -> Any:
     if code != _EXT_TUPLE:
-        raise MetadataError(f"unknown msgpack extension type {code}")
+        raise MetadataError(
+            f"unknown msgpack extension type {code} (kvckpt metadata uses only type "
+            f"{_EXT_TUPLE}, tuples)"
+        )
     return tuple(_unpackb(data))
 
 
@@ -335,6 +357,8 @@ def _encode_metadata(
     rank: int | None = None,
     created_at: float | None = None,
 ) -> bytes:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
     tensors: dict[str, Any] = {}
     objects: list[str] = []
     for fqn, md in metadata.state_dict_metadata.items():
@@ -482,8 +506,8 @@ def _decode_header(raw: bytes, where: str) -> tuple[_Checker, dict[str, Any], st
         raise chk.fail(f"{len(raw)} bytes is more than metadata can be")
     try:
         doc = _unpackb(raw)
-    except MetadataError:
-        raise
+    except MetadataError as e:  # from _ext_hook, which does not know the checkpoint
+        raise chk.fail(str(e)) from None
     except Exception as e:
         raise MetadataError(
             f"metadata for {where} is not valid kvckpt metadata (msgpack decoding failed: "
@@ -579,7 +603,86 @@ def decode_data_keys(
         return save_id, keys
 
 
+def decode_summary(raw: bytes, *, where: str) -> dict[str, Any]:
+    """What ``kvckpt info`` shows of a metadata value, without importing torch or building
+    DCP's objects: kvckpt's fields, each tensor's dtype name, size and chunk count, the object
+    names, and every item's fields (``fqn``, ``offsets``, ``rank``, ``n``, ``nbytes``,
+    ``part_bytes``, ``name``; ``name`` is None in format 1).
+
+    The header, the types and ranges of every field and the sizes are checked as
+    ``decode_metadata`` checks them; what needs torch (that a dtype name is a dtype torch
+    knows, that each item matches a chunk of its tensor) is left to ``decode_metadata``, which
+    every load and ``kvckpt verify`` run."""
+    with gc_paused():
+        chk, doc, checkpoint_id, save_id = _decode_header(raw, where)
+        created_at = float(chk.get(doc, "created_at", float, int))
+        world_size = chk.get(doc, "world_size", int)
+        rank = chk.get(doc, "rank", int, optional=True)
+        if world_size < 1 or (rank is not None and not 0 <= rank < world_size):
+            raise chk.fail(f"world_size {world_size} / rank {rank} out of range")
+        tensors: dict[str, dict[str, Any]] = {}
+        for fqn, t in chk.get(doc, "tensors", dict).items():
+            if type(t) is not dict:
+                raise chk.fail(f"tensor {fqn!r} should be a map")
+            dtype = t.get("dtype")
+            if type(dtype) is not str:
+                raise chk.fail(f"tensor {fqn!r} has unknown dtype {dtype!r}")
+            size = _shape(chk, t.get("size"), "size", fqn)
+            raw_chunks = t.get("chunks")
+            if type(raw_chunks) is not list:
+                raise chk.fail(f"field 'chunks' of {fqn!r} should be a list")
+            for c in raw_chunks:
+                if type(c) is not list or len(c) != 2:
+                    raise chk.fail(f"chunk of {fqn!r} should be [offsets, sizes]")
+                _shape(chk, c[0], "chunk offsets", fqn)
+                _shape(chk, c[1], "chunk sizes", fqn)
+            tensors[fqn] = {"dtype": dtype, "size": list(size), "chunks": len(raw_chunks)}
+        objects = chk.get(doc, "objects", list)
+        if not all(type(fqn) is str for fqn in objects):
+            raise chk.fail("objects should be a list of strings")
+        items: list[dict[str, Any]] = []
+        version = doc["version"]
+        for item in chk.get(doc, "items", list):
+            fqn, offsets, irank, n, nbytes, part_bytes, _, name = _item_fields(chk, item, version)
+            if offsets is not None:
+                offsets = list(_shape(chk, offsets, "item offsets", fqn))
+            items.append(
+                {
+                    "fqn": fqn,
+                    "offsets": offsets,
+                    "rank": irank,
+                    "n": n,
+                    "nbytes": nbytes,
+                    "part_bytes": part_bytes,
+                    "name": name,
+                }
+            )
+        return {
+            "checkpoint_id": checkpoint_id,
+            "save_id": save_id,
+            "created_at": created_at,
+            "world_size": world_size,
+            "rank": rank,
+            "total_bytes": chk.get(doc, "total_bytes", int),
+            "format_version": version,
+            "tensors": tensors,
+            "objects": list(objects),
+            "items": items,
+        }
+
+
 def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
     chk, doc, checkpoint_id, save_id = _decode_header(raw, where)
     created_at = float(chk.get(doc, "created_at", float, int))
     world_size = chk.get(doc, "world_size", int)
@@ -602,10 +705,11 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
     properties: dict[tuple[torch.dtype, bool], TensorProperties] = {}
     # One torch.Size per distinct checked shape (immutable, so tensors may share it).
     sizes: dict[tuple[int, ...], torch.Size] = {}
+    dtypes = _dtype_table()
     for fqn, t in chk.get(doc, "tensors", dict).items():
         if type(t) is not dict:
             raise chk.fail(f"tensor {fqn!r} should be a map")
-        dtype = DTYPES.get(t.get("dtype"))  # type: ignore[arg-type]
+        dtype = dtypes.get(t.get("dtype"))  # type: ignore[arg-type]
         if dtype is None:
             raise chk.fail(f"tensor {fqn!r} has unknown dtype {t.get('dtype')!r}")
         size = _shape(chk, t.get("size"), "size", fqn)

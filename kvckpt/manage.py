@@ -17,17 +17,29 @@ from typing import Any
 from .catalog import (
     Index,
     collect_retired,
+    entry_name,
+    live_readers,
     pending_name,
     read_index,
     readers_key,
     rebuild_index,
     release_lease,
     retire,
+    summary,
     update_index,
 )
 from .engines.base import Engine
-from .errors import CheckpointNotFoundError, MetadataError
-from .format import data_prefix, decode_data_keys, meta_key, spare_key, spare_prefix
+from .errors import CheckpointNotFoundError, MetadataError, StoreNotFoundError
+from .format import (
+    data_prefix,
+    decode_data_keys,
+    decode_metadata,
+    meta_key,
+    meta_prefix,
+    parse_meta_key,
+    spare_key,
+    spare_prefix,
+)
 from .stores import open_store
 from .urls import validate_name
 
@@ -68,16 +80,33 @@ class CheckpointInfo:
 
 @dataclass
 class GcReport:
-    """What ``gc`` removed."""
+    """What ``gc`` removed, or with ``dry_run=True`` what it would remove."""
 
+    #: Complete checkpoints deleted by ``keep_last``, newest first.
     deleted_checkpoints: list[str] = field(default_factory=list)
+    #: Saves whose data was removed: ``<checkpoint id>/<save id>/<rank or "all">`` for a save
+    #: that never committed, ``<checkpoint id>/<save id> (orphaned)`` for data that no
+    #: checkpoint and no save in progress refers to.
     removed_incomplete: list[str] = field(default_factory=list)
+    #: Data keys deleted, of all the above together (spares kept for reuse are not counted).
+    #: In a dry run, the keys found that would be deleted: a checkpoint that a reader is
+    #: loading keeps its data until the reader finishes, so a real run may delete fewer now.
     deleted_keys: int = 0
+    #: True for ``gc(dry_run=True)``: nothing was deleted.
+    dry_run: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "dry_run": self.dry_run,
+            "deleted_checkpoints": list(self.deleted_checkpoints),
+            "removed_incomplete": list(self.removed_incomplete),
+            "deleted_keys": self.deleted_keys,
+        }
 
 
 def _engine(store: str | Engine) -> Engine:
-    """Nothing here creates a store: listing one that does not exist, or deleting from it, is an
-    error (``StoreNotFoundError``), not a new empty store."""
+    """Nothing here creates a store: deleting from one that does not exist is an error
+    (``StoreNotFoundError``), not a new empty store."""
     return open_store(store, create=False)
 
 
@@ -156,13 +185,26 @@ def list_checkpoints(
     Reads the catalog index only (one key), however many checkpoints and data keys there are.
     ``include_incomplete`` adds saves that started but never committed (a writer that crashed
     or is still writing) and rank-local checkpoints that some ranks have not committed.
+
+    A store that does not exist yet (an LMDB directory no save has created) has no
+    checkpoints: the answer is ``[]``, and nothing is created.
     """
-    engine = _engine(store)
+    try:
+        return stored_checkpoints(_engine(store), include_incomplete=include_incomplete)
+    except StoreNotFoundError:
+        return []
+
+
+def stored_checkpoints(engine: Engine, *, include_incomplete: bool = False) -> list[CheckpointInfo]:
+    """``list_checkpoints``, but a store that does not exist is an error
+    (``StoreNotFoundError``): for ``kvckpt ls``, where it is most likely a mistyped path."""
     return _infos(read_index(engine), engine.url, include_incomplete)
 
 
 def latest_checkpoint(store: str | Engine) -> str | None:
-    """The id of the newest complete checkpoint: the one a restarted job resumes from."""
+    """The id of the newest complete checkpoint: the one a restarted job resumes from. None
+    where there is none, a store that does not exist yet included (a job's first run); nothing
+    is created."""
     complete = [i for i in list_checkpoints(store) if i.complete]
     return complete[0].checkpoint_id if complete else None
 
@@ -252,6 +294,7 @@ def gc(
     protect: Iterable[str] = (),
     scan_orphans: bool = True,
     reuse: bool = False,
+    dry_run: bool = False,
 ) -> GcReport:
     """Remove old checkpoints and the data of saves that never committed.
 
@@ -263,14 +306,18 @@ def gc(
       checkpoint and no save in progress refers to, and the spares retention kept for reuse.
     - ``reuse``: ``keep_last``'s deletes keep the data as spares for the next save to write
       over, where the engine can (a writer's ``keep_last``; see ``delete_checkpoint``).
+    - ``dry_run``: change nothing, and report what would be removed (``GcReport.dry_run``).
 
-    A corrupt or missing index is rebuilt from the metadata keys first.
+    A corrupt or missing index is rebuilt from the metadata keys first (in a dry run, in
+    memory only).
     """
     engine = _engine(store)
     if keep_last is not None and keep_last < 0:
         raise ValueError(f"keep_last must be >= 0, not {keep_last}")
     if isinstance(incomplete_older_than, _dt.timedelta):
         incomplete_older_than = incomplete_older_than.total_seconds()
+    if dry_run:
+        return _gc_dry_run(engine, keep_last, incomplete_older_than, protect, scan_orphans)
     report = GcReport()
     try:
         index = read_index(engine)
@@ -278,29 +325,14 @@ def gc(
         index = rebuild_index(engine)
 
     if keep_last is not None:
-        protected = set(protect)
-        complete = [i for i in _infos(index, engine.url, False) if i.complete]
-        for info in complete[keep_last:]:
-            if info.checkpoint_id in protected:
-                continue
+        for info in _beyond_keep_last(index, engine.url, keep_last, protect):
             try:
                 report.deleted_keys += delete_checkpoint(engine, info.checkpoint_id, reuse=reuse)
                 report.deleted_checkpoints.append(info.checkpoint_id)
             except CheckpointNotFoundError:
                 pass  # deleted concurrently
 
-    now = time.time()
-    expired = [
-        n
-        for n, e in index.checkpoints.items()
-        if isinstance(e.get("expires_at"), int | float) and e["expires_at"] <= now
-    ]
-    stale = {
-        n: p
-        for n, p in index.pending.items()
-        if isinstance(p.get("started_at"), int | float)
-        and now - p["started_at"] >= incomplete_older_than
-    }
+    expired, stale = _expired_and_stale(index, incomplete_older_than)
     if stale or expired:
         # The pending entries go first, in one transaction, and only the saves still pending
         # then lose their data: a save that committed meanwhile keeps it, and one that is
@@ -342,6 +374,115 @@ def gc(
                 report.removed_incomplete.append(f"{save[0]}/{save[1]} (orphaned)")
         if engine.reuses_values:  # spares are no checkpoint's data: not counted
             engine.delete_prefix(spare_prefix(engine.prefix))
+    return report
+
+
+def _beyond_keep_last(
+    index: Index, where: str, keep_last: int, protect: Iterable[str]
+) -> list[CheckpointInfo]:
+    """The complete checkpoints ``keep_last`` deletes: those beyond the newest ``keep_last``,
+    except the protected ones."""
+    protected = set(protect)
+    complete = [i for i in _infos(index, where, False) if i.complete]
+    return [i for i in complete[keep_last:] if i.checkpoint_id not in protected]
+
+
+def _expired_and_stale(
+    index: Index, incomplete_older_than: float
+) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """The index entries of checkpoints whose keys have expired, and the pending entries of
+    saves that started more than ``incomplete_older_than`` seconds ago."""
+    now = time.time()
+    expired = [
+        n
+        for n, e in index.checkpoints.items()
+        if isinstance(e.get("expires_at"), int | float) and e["expires_at"] <= now
+    ]
+    stale = {
+        n: p
+        for n, p in index.pending.items()
+        if isinstance(p.get("started_at"), int | float)
+        and now - p["started_at"] >= incomplete_older_than
+    }
+    return expired, stale
+
+
+def _index_in_memory(engine: Engine) -> Index:
+    """The index, or where it is corrupt the index ``rebuild_index`` would write, unwritten."""
+    try:
+        return read_index(engine)
+    except MetadataError:
+        pass
+    checkpoints: dict[str, dict[str, Any]] = {}
+    for key in engine.scan(meta_prefix(engine.prefix)):
+        parsed = parse_meta_key(engine.prefix, key)
+        raw = engine.get(key)
+        if parsed is None or raw is None:
+            continue
+        try:
+            record = decode_metadata(raw, where=f"{key!r} in {engine.url}")
+        except MetadataError:
+            continue
+        checkpoints[entry_name(*parsed)] = summary(record)
+    return Index(checkpoints, {})
+
+
+def _gc_dry_run(
+    engine: Engine,
+    keep_last: int | None,
+    incomplete_older_than: float,
+    protect: Iterable[str],
+    scan_orphans: bool,
+) -> GcReport:
+    """What ``gc`` would remove, found with reads only."""
+    report = GcReport(dry_run=True)
+    index = _index_in_memory(engine)
+    if keep_last is not None:
+        for info in _beyond_keep_last(index, engine.url, keep_last, protect):
+            report.deleted_checkpoints.append(info.checkpoint_id)
+            for key in _checkpoint_meta_keys(engine, index, info.checkpoint_id):
+                raw = engine.get(key)
+                if raw is None:
+                    continue
+                where = f"checkpoint {info.checkpoint_id!r} in {engine.url}"
+                try:
+                    _, data_keys = decode_data_keys(
+                        raw, engine.prefix, info.checkpoint_id, where=where
+                    )
+                    report.deleted_keys += len(data_keys)
+                except MetadataError:
+                    head = data_prefix(engine.prefix, info.checkpoint_id)
+                    report.deleted_keys += sum(1 for _ in engine.scan(head))
+    _, stale = _expired_and_stale(index, incomplete_older_than)
+    for name, p in stale.items():
+        cid, save_id, rank = p.get("checkpoint_id"), p.get("save_id"), p.get("rank")
+        if isinstance(cid, str) and isinstance(save_id, str):
+            head = data_prefix(engine.prefix, cid, save_id)
+            head += f"{rank}/" if isinstance(rank, int) else ""
+            report.deleted_keys += sum(1 for _ in engine.scan(head))
+        report.removed_incomplete.append(name)
+    busy: dict[str, bool] = {}
+    for entry in index.retired.values():
+        cid, save_id = entry.get("checkpoint_id"), entry.get("save_id")
+        if not isinstance(cid, str) or not isinstance(save_id, str):
+            continue
+        if cid not in busy:
+            busy[cid] = bool(live_readers(engine.get(readers_key(engine.prefix, cid))))
+        if not busy[cid]:
+            report.deleted_keys += sum(
+                1 for _ in engine.scan(data_prefix(engine.prefix, cid, save_id))
+            )
+    if scan_orphans:
+        found: dict[tuple[str, str], int] = defaultdict(int)
+        for key in engine.scan(data_prefix(engine.prefix)):
+            save = _data_key_save(engine.prefix, key)
+            if save is not None:
+                found[save] += 1
+        live = index.live_saves(remote=True)
+        for save, count in found.items():
+            if save not in live:
+                report.deleted_keys += count
+                report.removed_incomplete.append(f"{save[0]}/{save[1]} (orphaned)")
     return report
 
 

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import re
 from collections.abc import Callable
 from importlib.metadata import entry_points
+from typing import NoReturn
 
 from .engines.base import Engine
 from .errors import InvalidURLError
@@ -37,6 +39,7 @@ BUILTIN_ENGINES = {
 BUILTIN_SCHEMES = tuple(BUILTIN_ENGINES)
 #: built-in engines with a place a read-only open must not create (an LMDB directory)
 _CREATES = frozenset({"lmdb"})
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 
 
 def _load(target: str) -> Callable[..., Engine]:
@@ -56,6 +59,30 @@ def _factory(scheme: str, create: bool) -> Callable[[str], Engine] | None:
         if ep.name == scheme:
             return ep.load()
     return None
+
+
+def _no_scheme(store: str) -> NoReturn:
+    """The error for a URL without ``scheme://``: a known scheme missing its ``//`` (such as
+    ``lmdb:/dir``) is named, with the URL as it should be written."""
+    found = _SCHEME.match(store)
+    if found is not None and found.group(1).lower() in (*BUILTIN_SCHEMES, *_plugin_schemes()):
+        scheme, rest = found.group(1), store[found.end() :]
+        local = scheme.lower() in ("lmdb", "unix")  # a path, not a host, follows the '//'
+        if local and not rest.startswith("/"):
+            fix = f"'{scheme}:///absolute/path' (a local path must be absolute)"
+        else:
+            fix = repr(mask_url(f"{scheme}://{rest.lstrip('/') if not local else rest}"))
+        raise InvalidURLError(
+            f"store URL {mask_url(store)!r} lacks the '//' after '{scheme}:': write {fix}"
+        )
+    raise InvalidURLError(
+        f"store URL {mask_url(store)!r} has no scheme: use e.g. 'lmdb:///dev/shm/ckpt' or "
+        "'redis://localhost:6379/0'"
+    )
+
+
+def _plugin_schemes() -> list[str]:
+    return sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
 
 
 def open_store(store: str | Engine, *, create: bool = True) -> Engine:
@@ -79,14 +106,10 @@ def open_store(store: str | Engine, *, create: bool = True) -> Engine:
         )
     scheme = store.split("://", 1)[0].lower() if "://" in store else ""
     if not scheme:
-        raise InvalidURLError(
-            f"store URL {mask_url(store)!r} has no scheme: use e.g. 'lmdb:///dev/shm/ckpt' or "
-            "'redis://localhost:6379/0'"
-        )
+        _no_scheme(store)
     factory = _factory(scheme, create)
     if factory is None:
-        plugins = sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
-        known = ", ".join([*BUILTIN_SCHEMES, *plugins])
+        known = ", ".join([*BUILTIN_SCHEMES, *_plugin_schemes()])
         raise InvalidURLError(
             f"unsupported store URL scheme {scheme!r} in {mask_url(store)!r}: kvckpt knows "
             f"{known}. Other engines are added by packages registering the entry-point group "

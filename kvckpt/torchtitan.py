@@ -80,7 +80,7 @@ from .errors import (
     ReplicationError,
     StoreNotFoundError,
 )
-from .manage import latest_checkpoint, list_checkpoints
+from .manage import list_checkpoints, stored_checkpoints
 from .node import node_id
 from .reader import KVStorageReader
 from .staging import background_stager
@@ -147,6 +147,13 @@ def _is_directory(path: str) -> bool:
         return bool(filesystem.isdir(path))
     except (ValueError, ImportError):
         return False
+
+
+def _latest_stored(url: str) -> str | None:
+    """``latest_checkpoint``, raising ``StoreNotFoundError`` for a store that does not exist."""
+    infos = stored_checkpoints(open_store(url, create=False))
+    complete = [i for i in infos if i.complete]
+    return complete[0].checkpoint_id if complete else None
 
 
 def _on_rank_0(choose: Any) -> Any:
@@ -420,7 +427,9 @@ class KVCheckpointManager(CheckpointManager):
         if is_store_url(checkpoint_id):
             url, cid = split_store_path(checkpoint_id)
             if cid is None:
-                cid = _on_rank_0(lambda: latest_checkpoint(url))  # every rank loads the same
+                # every rank loads the same; a store that is not there is an error here (a
+                # path mistyped), where latest_checkpoint would answer None
+                cid = _on_rank_0(lambda: _latest_stored(url))
                 if cid is None:
                     raise CheckpointNotFoundError(
                         f"checkpoint.initial_load_path {mask_url(url)!r} holds no complete "

@@ -7,8 +7,9 @@ imports an engine. Which engine a URL opens is ``kvckpt.stores`` (``open_store``
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import SplitResult, parse_qsl, urlsplit
 
@@ -25,6 +26,13 @@ def mask_url(url: str) -> str:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable URL>"
+    if parts.scheme and not parts.netloc and "@" in parts.path:
+        # "redis:user:pw@host" (no "//"): no netloc is parsed, but a password is there all the
+        # same: mask it as if the "//" were present.
+        head, rest = url.split(":", 1)
+        slashes = len(rest) - len(rest.lstrip("/"))
+        masked = mask_url(f"{head}://{rest[slashes:]}")
+        return f"{head}:{'/' * slashes}" + masked.split("://", 1)[1]
     netloc = parts.netloc
     if "@" in netloc:
         userinfo, _, hostport = netloc.rpartition("@")
@@ -78,6 +86,27 @@ def take_option(
         raise InvalidURLError(
             f"bad value {raw!r} for option {name!r} in store URL {mask_url(url)}{why}"
         ) from None
+
+
+def reject_unknown_options(
+    options: Iterable[str], url: str, what: str, valid: Iterable[str], note: str = ""
+) -> None:
+    """Raise ``InvalidURLError`` naming each option of ``options`` (what is left of a URL's
+    query once the engine took the ones it knows), the closest valid name to each, and every
+    valid option of ``what`` (e.g. "LMDB URL"), then ``note``."""
+    unknown = sorted(options)
+    if not unknown:
+        return
+    known = sorted(set(valid))
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1)
+        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    plural = "s" if len(unknown) > 1 else ""
+    raise InvalidURLError(
+        f"unknown option{plural} {', '.join(hints)} in {what} {mask_url(url)}; valid options: "
+        f"{', '.join(known)}{note}"
+    )
 
 
 def parse_bool(raw: str) -> bool:

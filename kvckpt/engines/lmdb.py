@@ -35,11 +35,15 @@ from ..urls import (
     DEFAULT_PREFIX,
     parse_bool,
     parse_size,
+    reject_unknown_options,
     split_options,
     take_option,
     validate_prefix,
 )
 from .base import BytesLike, Consumer, Engine, Update
+
+#: The query options of an LMDB URL.
+LMDB_OPTIONS = ("prefix", "map_size", "sync", "writemap", "part_bytes", "txn_bytes")
 
 _MIB = 1 << 20
 _GIB = 1 << 30
@@ -405,10 +409,10 @@ class LMDBEngine(Engine):
             part_bytes=take_option(opts, "part_bytes", url, parse_size, 1 * _GIB),
             txn_bytes=take_option(opts, "txn_bytes", url, parse_size, _TXN_BYTES),
         )
-        if opts:
+        reject_unknown_options(opts, url, "LMDB URL", LMDB_OPTIONS)
+        if not parts.path:
             raise InvalidURLError(
-                f"unknown option(s) {sorted(opts)} in LMDB URL {url!r}; known: prefix, "
-                "map_size, sync, writemap, part_bytes, txn_bytes"
+                f"LMDB URL {url!r} names no directory: write lmdb:///absolute/dir"
             )
         return cls(parts.path, create=create, **kwargs)
 
@@ -440,6 +444,8 @@ class LMDBEngine(Engine):
         if self._shared is None or self._pid != os.getpid():
             try:
                 self._shared = _SharedEnv.acquire(self.path, self.create, **self._options)
+            except StoreNotFoundError:  # an OSError too (FileNotFoundError): it says it all
+                raise
             except (OSError, lmdb.Error) as e:
                 raise StoreUnavailableError(
                     f"cannot open LMDB environment at {self.path}: {e}. Check that the "

@@ -40,6 +40,7 @@ from ..urls import (
     mask_url,
     parse_bool,
     parse_size,
+    reject_unknown_options,
     split_options,
     take_option,
     validate_prefix,
@@ -76,15 +77,23 @@ def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
         except KVCheckpointError:
             raise
         except redis.AuthenticationError as e:
-            raise StoreUnavailableError(
-                f"Redis at {self.address} refused the credentials in {self.url}: {e}. Check the "
-                "user and password in the URL (redis://user:password@host:port/db)."
-            ) from None
+            raise auth_error(f"Redis at {self.address}", self.url, self._redis_url, e) from None
         except redis.ReadOnlyError:
             raise ReadOnlyStoreError(
                 f"Redis at {self.address} ({self.url}) is a read-only replica: save, delete and "
                 "gc through its primary"
             ) from None
+        except redis.ResponseError as e:  # after ReadOnlyError, one of them
+            if _db_out_of_range(e):
+                raise InvalidURLError(
+                    f"Redis at {self.address} has no database {_db_of(self._redis_url)} "
+                    f"({self.url}): its databases are numbered from 0 to its `databases` "
+                    "setting minus one (16 by default; `redis-cli CONFIG GET databases`). Use "
+                    "one of those in the URL: redis://host:port/0"
+                ) from None
+            if is_out_of_memory(e):
+                raise self._out_of_memory(e, failed_key(e)) from None
+            raise
         except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
             # OSError: a socket error from the engine's own reads (_BulkReader), after retries
             raise StoreUnavailableError(
@@ -113,6 +122,58 @@ def _retried(method: Callable[..., T]) -> Callable[..., T]:
         raise AssertionError("unreachable")
 
     return wrapper
+
+
+def _has_password(url: str) -> bool:
+    """Whether a Redis URL carries a password (``:pw@``, a lone ``pw@``, or ``?password=``)."""
+    parts, opts = split_options(url)
+    return bool(parts.password or parts.username or opts.get("password"))
+
+
+def auth_error(server: str, url: str, raw_url: str, error: Exception) -> StoreUnavailableError:
+    """The error for a server that refused a connection's authentication: a password that is
+    required but missing from the URL is named as such, not as refused credentials."""
+    if not _has_password(raw_url):
+        return StoreUnavailableError(
+            f"{server} requires a password, and the URL {url} has none: add it, as "
+            "redis://:PASSWORD@host:port/db (or redis://USER:PASSWORD@host:port/db for an ACL "
+            "user; percent-encode special characters)"
+        )
+    return StoreUnavailableError(
+        f"{server} refused the credentials in {url}: {str(error).rstrip('.')}. Check the user "
+        "and password in the URL (redis://user:password@host:port/db)."
+    )
+
+
+def _db_out_of_range(error: redis.ResponseError) -> bool:
+    return "db index is out of range" in str(error).lower()
+
+
+def _db_of(url: str) -> str:
+    parts, opts = split_options(url)
+    return opts.get("db") or parts.path.strip("/") or "0"
+
+
+def is_out_of_memory(error: redis.ResponseError) -> bool:
+    return isinstance(error, redis.exceptions.OutOfMemoryError) or str(error).startswith("OOM")
+
+
+_PIPELINE_COMMAND = re.compile(r"Command # \d+ \((\S+) (\S+)")
+
+
+def failed_key(error: redis.ResponseError) -> str | None:
+    """The key of the command that an error of a redis-py pipeline names ("Command # 1 (SET
+    key value) of pipeline caused error: ..."), or None."""
+    found = _PIPELINE_COMMAND.match(str(error))
+    return found.group(2) if found else None
+
+
+def server_message(error: redis.ResponseError) -> str:
+    """The server's own words of a reply error, without redis-py's account of the pipeline
+    command (which holds the value's bytes)."""
+    text = str(error)
+    _, sep, tail = text.partition(" of pipeline caused error: ")
+    return (tail if sep else text).strip().rstrip(".")
 
 
 def _no_such_key(error: redis.ResponseError) -> bool:
@@ -265,6 +326,7 @@ class RedisEngine(RedisSettings):
             raise InvalidURLError(f"Redis URL {mask_url(url)} has an invalid port") from None
         ours = take_redis_options(opts, url)
         ours["spare_ttl"] = take_option(opts, "spare_ttl", url, float, DEFAULT_SPARE_TTL)
+        check_redis_py_options(opts, url, parts.scheme, (*KVCKPT_REDIS_OPTIONS, "spare_ttl"))
         opts.setdefault("socket_connect_timeout", "10")
         opts.setdefault("socket_timeout", "300")
         query = "&".join(f"{k}={v}" for k, v in opts.items())
@@ -340,7 +402,7 @@ class RedisEngine(RedisSettings):
                 try:
                     return conn.read_response()
                 except redis.ResponseError as e:
-                    if isinstance(e, redis.exceptions.OutOfMemoryError) or str(e).startswith("OOM"):
+                    if is_out_of_memory(e):
                         raise self._out_of_memory(e, key, size) from None
                     raise
 
@@ -622,7 +684,11 @@ class RedisEngine(RedisSettings):
                 "checkpoints (kvckpt gc URL --keep-last N) or raise maxmemory."
             )
 
-    def _out_of_memory(self, error: redis.ResponseError, key: str, size: int) -> StoreFullError:
+    def _out_of_memory(
+        self, error: redis.ResponseError, key: str | None, size: int | None = None
+    ) -> StoreFullError:
+        """The error for a write that the server refused for want of memory (``maxmemory``):
+        the store, the key as text, and the server's memory state."""
         try:
             mem = self._client.info("memory")
             state = (
@@ -630,10 +696,12 @@ class RedisEngine(RedisSettings):
             )
         except redis.RedisError:
             state = "memory state unknown"
+        what = "a value" if key is None else repr(key)
+        what += "" if size is None else f" ({size} bytes)"
         return StoreFullError(
-            f"Redis at {self.address} ran out of memory while storing {key!r} ({size} bytes; "
-            f"{state}): {error}. The partial save is removed; older checkpoints are intact. "
-            "Delete old checkpoints (kvckpt gc) or raise maxmemory."
+            f"Redis at {self.address} ({self.url}) ran out of memory while storing {what}; "
+            f"{state}: {server_message(error)}. Committed checkpoints are intact; delete old "
+            "ones (kvckpt gc URL --keep-last N) or raise maxmemory."
         )
 
     @_translate_errors
@@ -641,6 +709,56 @@ class RedisEngine(RedisSettings):
     def info(self, section: str | None = None) -> dict[str, Any]:
         """The server's INFO (memory, policy) for preflight checks and diagnostics."""
         return self._client.info(section) if section else self._client.info()
+
+
+#: kvckpt's own query options of a Redis or Redis Cluster URL (``spare_ttl``: single server).
+KVCKPT_REDIS_OPTIONS = (
+    "prefix",
+    "part_bytes",
+    "pipeline_bytes",
+    "read_ahead_bytes",
+    "allow_eviction",
+    "wait_replicas",
+    "wait_timeout",
+)
+#: Connection options redis-py takes from a URL as strings, beyond the ones it converts
+#: (``redis.connection.URL_QUERY_ARGUMENT_PARSERS``). ``ssl_*``: TLS URLs only.
+_REDIS_PY_STRING_OPTIONS = (
+    "client_name",
+    "username",
+    "password",
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_ca_data",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_password",
+    "ssl_cert_reqs",
+    "ssl_ciphers",
+)
+
+
+def redis_py_options(scheme: str) -> list[str]:
+    """The query options of a URL of ``scheme`` that redis-py's ``from_url`` takes: the
+    connection options it converts and the string ones (TLS options on TLS URLs only, keepalive
+    on TCP only)."""
+    names = {*redis.connection.URL_QUERY_ARGUMENT_PARSERS, *_REDIS_PY_STRING_OPTIONS}
+    if not scheme.startswith("rediss"):
+        names = {n for n in names if not n.startswith("ssl_")}
+    if scheme == "unix":
+        names.discard("socket_keepalive")
+    return sorted(names)
+
+
+def check_redis_py_options(opts: dict[str, str], url: str, scheme: str, ours: Any) -> None:
+    """Refuse query options that neither kvckpt (``ours``) nor redis-py takes, naming the
+    valid ones: redis-py would otherwise fail on the first connection with a ``TypeError``
+    about a keyword argument."""
+    valid = redis_py_options(scheme)
+    unknown = [k for k in opts if k not in valid]
+    tls = any(k.startswith("ssl_") for k in unknown) and not scheme.startswith("rediss")
+    note = " (TLS options need a rediss:// URL)" if tls else ""
+    reject_unknown_options(unknown, url, "Redis URL", [*ours, *valid], note)
 
 
 def take_redis_options(opts: dict[str, str], url: str) -> dict[str, Any]:

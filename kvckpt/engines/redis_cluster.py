@@ -32,7 +32,7 @@ from urllib.parse import quote, unquote
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from ..errors import InvalidURLError, StoreUnavailableError
+from ..errors import InvalidURLError, StoreFullError, StoreUnavailableError
 from ..urls import (
     DEFAULT_PREFIX,
     mask_url,
@@ -42,8 +42,14 @@ from .base import BytesLike, Consumer, Hasher, Update, ValueCallback
 from .redis import (
     _MIB,
     DEFAULT_READ_AHEAD,
+    KVCKPT_REDIS_OPTIONS,
     RedisEngine,
     RedisSettings,
+    auth_error,
+    check_redis_py_options,
+    failed_key,
+    is_out_of_memory,
+    server_message,
     take_redis_options,
 )
 
@@ -82,10 +88,7 @@ def _cluster_errors(method: Callable[..., T]) -> Callable[..., T]:
         try:
             return method(self, *args, **kwargs)
         except redis.AuthenticationError as e:
-            raise StoreUnavailableError(
-                f"Redis Cluster {self.url} refused the credentials: {e}. Check the user and "
-                "password in the URL."
-            ) from None
+            raise auth_error("Redis Cluster", self.url, self._raw_url, e) from None
         except (
             redis.ConnectionError,
             redis.TimeoutError,
@@ -96,6 +99,16 @@ def _cluster_errors(method: Callable[..., T]) -> Callable[..., T]:
                 f"cannot reach Redis Cluster {self.url}: {str(e).rstrip('.')}. Are the nodes "
                 "running, and is the cluster state ok (`redis-cli cluster info`)?"
             ) from None
+        except redis.ResponseError as e:  # after ClusterError: ClusterDownError is both
+            if is_out_of_memory(e):
+                key = failed_key(e)
+                raise StoreFullError(
+                    f"Redis Cluster {self.url} ran out of memory while storing "
+                    f"{'a value' if key is None else repr(key)}: {server_message(e)}. "
+                    "Committed checkpoints are intact; delete old ones (kvckpt gc URL "
+                    "--keep-last N) or raise maxmemory on the cluster's primaries."
+                ) from None
+            raise
 
     return wrapper
 
@@ -156,8 +169,11 @@ class RedisClusterEngine(RedisSettings):
 
     @classmethod
     def from_url(cls, url: str) -> RedisClusterEngine:
-        _, opts = split_options(url)
+        parts, opts = split_options(url)
         ours = take_redis_options(opts, url)
+        # the options go on to the engine of each primary (a single-server redis[s] URL)
+        scheme = "rediss" if parts.scheme.startswith("rediss") else "redis"
+        check_redis_py_options(opts, url, scheme, KVCKPT_REDIS_OPTIONS)
         opts.setdefault("socket_connect_timeout", "2")
         opts.setdefault("socket_timeout", "300")
         return cls(url, redis_options=opts, **ours)
