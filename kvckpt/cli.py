@@ -403,10 +403,11 @@ def import_command(directory: str, url: str, checkpoint_id: str, quiet: bool) ->
 @click.argument("checkpoint_id")
 @click.argument("dst_url")
 @click.argument("new_id", required=False)
+@click.option("--force", is_flag=True, help="Replace a checkpoint of that id at the destination.")
 @quiet_option
 @handle_errors
 def copy_command(
-    src_url: str, checkpoint_id: str, dst_url: str, new_id: str | None, quiet: bool
+    src_url: str, checkpoint_id: str, dst_url: str, new_id: str | None, force: bool, quiet: bool
 ) -> None:
     """Copy a checkpoint to another store (or under a new id).
 
@@ -415,7 +416,7 @@ def copy_command(
       kvckpt copy lmdb:///dev/shm/ckpt step-100 redis://shared:6379/0
     """
     record = transfer.copy_checkpoint(
-        src_url, checkpoint_id, dst_url, new_id, progress=_progress(quiet)
+        src_url, checkpoint_id, dst_url, new_id, overwrite=force, progress=_progress(quiet)
     )
     click.echo(
         f"copied {checkpoint_id} to {open_store(dst_url).url} as "
