@@ -470,9 +470,14 @@ def _remove_export(out: Path, created: Path | None) -> None:
                 entry.unlink(missing_ok=True)
 
 
-def _unwritable(checkpoint_id: str, path: Path, error: OSError) -> KVCheckpointError:
+def _unwritable(
+    checkpoint_id: str, path: Path, error: OSError, *, name_file: bool = True
+) -> KVCheckpointError:
+    """The error for a path that cannot be written (``name_file``: add the file the OS named,
+    when it is another one, such as a file inside an export directory)."""
     reason = error.strerror or str(error)
-    where = f" ({error.filename})" if error.filename and str(error.filename) != str(path) else ""
+    named = name_file and error.filename and str(error.filename) != str(path)
+    where = f" ({error.filename})" if named else ""
     return KVCheckpointError(
         f"cannot write checkpoint {checkpoint_id!r} to {path}: {reason}{where}; choose a "
         "path you can write to"
@@ -669,7 +674,7 @@ def torch_save_checkpoint(store: str | Engine, checkpoint_id: str, path: str | o
     try:
         stream = open(tmp, "wb")  # noqa: SIM115
     except OSError as e:
-        raise _unwritable(checkpoint_id, path, e) from None
+        raise _unwritable(checkpoint_id, path, e, name_file=False) from None
     try:
         with stream:
             state_dict: dict[str, Any] = {}
@@ -690,11 +695,11 @@ def torch_save_checkpoint(store: str | Engine, checkpoint_id: str, path: str | o
             try:
                 torch.save(state_dict, stream)
             except OSError as e:
-                raise _unwritable(checkpoint_id, path, e) from e
+                raise _unwritable(checkpoint_id, path, e, name_file=False) from e
         try:
             os.replace(tmp, path)
         except OSError as e:
-            raise _unwritable(checkpoint_id, path, e) from e
+            raise _unwritable(checkpoint_id, path, e, name_file=False) from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
