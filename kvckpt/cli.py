@@ -583,6 +583,7 @@ def import_command(
 @click.argument("checkpoint_id")
 @click.argument("dst_url")
 @click.argument("new_id", required=False)
+@click.option("--force", is_flag=True, help="Replace a checkpoint of that id at the destination.")
 @quiet_option
 @json_option
 @handle_errors
@@ -591,6 +592,7 @@ def copy_command(
     checkpoint_id: str,
     dst_url: str,
     new_id: str | None,
+    force: bool,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -605,7 +607,7 @@ def copy_command(
     from . import transfer
 
     record = transfer.copy_checkpoint(
-        src_url, checkpoint_id, dst_url, new_id, progress=_progress(quiet)
+        src_url, checkpoint_id, dst_url, new_id, overwrite=force, progress=_progress(quiet)
     )
     if as_json:
         _emit(

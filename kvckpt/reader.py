@@ -82,8 +82,10 @@ class KVStorageReader(KVStorageBase, StorageReader):
         weights_only: load non-tensor objects under ``torch.load(weights_only=True)`` rules
             (the default), so a store that others can write to cannot run code in this
             process. Pass False only for a store you trust with objects that need it.
-        verify: check each value against the checksum recorded at save (when the save recorded
-            them). Default: the engine's choice (on for Redis, off for LMDB).
+        verify: check each value against the checksum its save recorded, wherever the save
+            recorded them (the default, None or True); False loads without checking. Whether a
+            save records checksums is the writer's choice (``KVStorageWriter(checksums=)``: on
+            by default for Redis, off for LMDB).
         batch_bytes: how many bytes to request from the engine per batch (bounds memory).
         save_id: load only this save of the checkpoint id (``read_record().save_id``) and fail
             clearly if the id was re-saved since: for loads made of several reads that must
@@ -111,9 +113,7 @@ class KVStorageReader(KVStorageBase, StorageReader):
         self.checkpoint_id = valid_checkpoint_id(checkpoint_id)
         self.save_id = save_id
         self.weights_only = weights_only
-        self.verify = (
-            bool(getattr(self.engine, "checksums_by_default", False)) if verify is None else verify
-        )
+        self.verify = verify is not False
         self.batch_bytes = batch_bytes
         self._host: torch.Tensor | None = None  # host staging for GPU-bound reads
         self.lease = lease
@@ -356,26 +356,15 @@ class KVStorageReader(KVStorageBase, StorageReader):
                     keys.append(key)
                     buffers.append(item.dest[start:stop])
                     sums.append(item.loc.checksums[p] if item.loc.checksums else None)
-            verifying = self.verify and any(x is not None for x in sums)
-            digests: dict[int, int | None] = {}
-            if verifying:
-                # The engine hashes each value as it lands (Engine.get_into says why).
-                sizes = self.engine.get_into(
-                    keys, buffers, on_value=digests.__setitem__, hasher=new_checksum
-                )
-            else:
-                sizes = self.engine.get_into(keys, buffers)
-            for i, (key, buffer, size) in enumerate(zip(keys, buffers, sizes, strict=True)):
-                if size != buffer.nbytes:
-                    raise damaged(
-                        self.engine, record, key, key_fqn(direct, key), size, buffer.nbytes
-                    )
-                if verifying and sums[i] is not None:
-                    digest = digests.get(i)
-                    if digest is None:  # an engine that does not hash while reading
-                        digest = checksum(buffer)
-                    if digest != sums[i]:
-                        raise corrupted(self.engine, record, key, key_fqn(direct, key))
+            read_checked(
+                self.engine,
+                record.checkpoint_id,
+                keys,
+                buffers,
+                sums,
+                lambda i: key_fqn(direct, keys[i]),
+                verify=self.verify,
+            )
             for item in direct:
                 item.commit()
         if staged:
@@ -473,25 +462,62 @@ def key_fqn(items: list[_ItemRead], key: str) -> str:
     return "?"
 
 
+def _of(fqn: str | None) -> str:
+    return "" if fqn is None else f" of {fqn!r}"
+
+
 def damaged(
-    engine: Engine, record: CheckpointRecord, key: str, fqn: str, got: int | None, want: int
+    engine: Engine, checkpoint_id: str, key: str, fqn: str | None, got: int | None, want: int
 ) -> DataError:
+    """A missing or wrongly sized value (``fqn``: the item it belongs to, where known)."""
     problem = (
         "is missing (deleted, evicted or expired)"
         if got is None
         else f"holds {got} bytes, expected {want}"
     )
     return DataError(
-        f"checkpoint {record.checkpoint_id!r} in {engine.url} is damaged: key "
-        f"{key!r} of {fqn!r} {problem}"
+        f"checkpoint {checkpoint_id!r} in {engine.url} is damaged: key {key!r}{_of(fqn)} {problem}"
     )
 
 
-def corrupted(engine: Engine, record: CheckpointRecord, key: str, fqn: str) -> IntegrityError:
+def corrupted(engine: Engine, checkpoint_id: str, key: str, fqn: str | None) -> IntegrityError:
+    """A value that does not match its recorded checksum."""
     return IntegrityError(
-        f"checkpoint {record.checkpoint_id!r} in {engine.url} is corrupted: key {key!r} of "
-        f"{fqn!r} does not match the checksum recorded when it was saved"
+        f"checkpoint {checkpoint_id!r} in {engine.url} is corrupted: key {key!r}{_of(fqn)} "
+        "does not match the checksum recorded when it was saved"
     )
+
+
+def read_checked(
+    engine: Engine,
+    checkpoint_id: str,
+    keys: Sequence[str],
+    buffers: Sequence[memoryview],
+    sums: Sequence[int | None],
+    fqn: Callable[[int], str | None],
+    *,
+    verify: bool = True,
+) -> None:
+    """Read each value of ``keys`` into its buffer (``Engine.get_into``) and check it: present
+    with its buffer's size (else ``DataError``) and, with ``verify``, equal to its checksum in
+    ``sums`` where one is recorded (else ``IntegrityError``). ``fqn(i)`` names the item of
+    value ``i`` in the error. The engine hashes each value as it lands (``Engine.get_into``
+    says why), so checking costs no second pass over the bytes."""
+    verifying = verify and any(x is not None for x in sums)
+    digests: dict[int, int | None] = {}
+    if verifying:
+        sizes = engine.get_into(keys, buffers, on_value=digests.__setitem__, hasher=new_checksum)
+    else:
+        sizes = engine.get_into(keys, buffers)
+    for i, (key, buffer, size) in enumerate(zip(keys, buffers, sizes, strict=True)):
+        if size != buffer.nbytes:
+            raise damaged(engine, checkpoint_id, key, fqn(i), size, buffer.nbytes)
+        if verifying and sums[i] is not None:
+            digest = digests.get(i)
+            if digest is None:  # an engine that does not hash while reading
+                digest = checksum(buffer)
+            if digest != sums[i]:
+                raise corrupted(engine, checkpoint_id, key, fqn(i))
 
 
 def fetch_parts(
@@ -519,14 +545,14 @@ def fetch_parts(
         if view is None or view.nbytes != stop - start:
             raise damaged(
                 engine,
-                record,
+                record.checkpoint_id,
                 keys[k],
                 items[i][0].fqn,
                 None if view is None else view.nbytes,
                 stop - start,
             )
         if verify and expected is not None and checksum(view) != expected:
-            raise corrupted(engine, record, keys[k], items[i][0].fqn)
+            raise corrupted(engine, record.checkpoint_id, keys[k], items[i][0].fqn)
         on_part(i, start, view)
 
     engine.get_many(keys, consume)

@@ -59,7 +59,7 @@ from .errors import KVCheckpointError, ReplicationError
 from .format import ItemLocation, part_ranges, spare_key
 from .manage import NEVER, discard_save, gc, list_checkpoints
 from .node import node_id
-from .reader import KVStorageReader
+from .reader import KVStorageReader, read_checked
 from .restore import RestoreStats, TieredStorageReader
 from .stores import open_store
 from .transfer import DirectoryReader, export_checkpoint
@@ -555,16 +555,22 @@ def copy_values(
 ) -> None:
     """Copy the values of a save's items from ``src`` to each of ``dsts`` under the same keys,
     in batches of at most 64 MiB read into one reused buffer; ``renew`` is called after each
-    batch (the caller's read lease)."""
-    # (source key, destination keys, size) of every part
-    parts: list[tuple[str, list[str], int]] = []
+    batch (the caller's read lease).
+
+    Each value is checked as it is read, before any of its batch is written: a missing or
+    wrongly sized one raises ``DataError``, and one that does not match the checksum its save
+    recorded (where ``locations`` carry checksums) ``IntegrityError``, both naming the
+    checkpoint, the key and ``src``. The caller discards what earlier batches wrote."""
+    # (source key, destination keys, size, checksum) of every part
+    parts: list[tuple[str, list[str], int, int | None]] = []
     for loc in locations:
         src_keys = loc.keys(src.prefix, checkpoint_id, save_id)
         dst_keys = [loc.keys(dst.prefix, checkpoint_id, save_id) for dst in dsts]
         for p, (a, b) in enumerate(part_ranges(loc.nbytes, loc.part_bytes)):
-            parts.append((src_keys[p], [keys[p] for keys in dst_keys], b - a))
-    largest = max((n for _, _, n in parts), default=0)
-    total = sum(n for _, _, n in parts)
+            expected = loc.checksums[p] if loc.checksums else None
+            parts.append((src_keys[p], [keys[p] for keys in dst_keys], b - a, expected))
+    largest = max((n for _, _, n, _ in parts), default=0)
+    total = sum(n for _, _, n, _ in parts)
     for dst in dsts:
         dst.reserve(total)  # room for every batch at once, not batch by batch
     buffer = memoryview(bytearray(max(min(_COPY_BATCH, total), largest)))
@@ -576,22 +582,20 @@ def copy_values(
             stop += 1
         batch = parts[start:stop]
         views, offset = [], 0
-        for _, _, n in batch:
+        for _, _, n, _ in batch:
             views.append(buffer[offset : offset + n])
             offset += n
-        src_keys = [k for k, _, _ in batch]
-        got = src.get_into(src_keys, views)
-        for key, view, got_bytes in zip(src_keys, views, got, strict=True):
-            if got_bytes != view.nbytes:
-                raise ReplicationError(
-                    f"copying checkpoint {checkpoint_id!r}: {key!r} in {src.url} holds "
-                    f"{got_bytes} bytes, expected {view.nbytes} (deleted meanwhile?)"
-                )
+        src_keys = [k for k, _, _, _ in batch]
+        sums = [expected for _, _, _, expected in batch]
+        read_checked(src, checkpoint_id, src_keys, views, sums, lambda i: None)
         for t, dst in enumerate(dsts):
             # over the spares of the checkpoint the replica's retention dropped, where it can
             reuse = {"spare_of": partial(spare_key, dst.prefix)} if dst.reuses_values else {}
             dst.put_many(
-                ((dst_keys[t], view) for (_, dst_keys, _), view in zip(batch, views, strict=True)),
+                (
+                    (dst_keys[t], view)
+                    for (_, dst_keys, _, _), view in zip(batch, views, strict=True)
+                ),
                 **reuse,
             )
         start = stop

@@ -10,11 +10,14 @@ tensors with ``torch.load(weights_only=True)``, so importing a directory runs no
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
+import logging
 import os
 import pickle
 import re
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 from tqdm import tqdm
 
 from .adapter import new_save_id
-from .catalog import mark_pending, publish, read_lease
+from .catalog import mark_pending, publish, read_index, read_lease
 from .engines.base import Engine
 from .errors import DataError, KVCheckpointError, MetadataError
 from .format import (
@@ -43,10 +46,12 @@ from .format import (
     index_name,
     part_ranges,
 )
-from .reader import KVStorageReader, check_weights_only, fetch_parts
+from .reader import KVStorageReader, check_weights_only, read_checked
 from .stores import open_store
 from .urls import validate_name
 from .writer import tensor_bytes
+
+logger = logging.getLogger(__name__)
 
 _BATCH_BYTES = 256 << 20
 
@@ -86,25 +91,44 @@ def _records(engine: Engine, checkpoint_id: str) -> list[CheckpointRecord]:
 def read_items(
     engine: Engine,
     record: CheckpointRecord,
-    batch_bytes: int = _BATCH_BYTES,
+    batch_bytes: int | None = None,
+    *,
+    verify: bool = True,
 ) -> Iterator[tuple[MetadataIndex, ItemLocation, memoryview]]:
-    """Every item of a checkpoint as one buffer each, read in batches of bounded size."""
+    """Every item of a checkpoint as one buffer each, read in batches of at most
+    ``batch_bytes`` (default 256 MiB; a larger item is a batch of its own).
+
+    Every value is checked as it is read: a missing or wrongly sized one raises ``DataError``,
+    and, where the save recorded checksums (and ``verify``), one that does not match its
+    checksum raises ``IntegrityError``. Nothing of a batch is yielded before all of it passed.
+    """
+    limit = _BATCH_BYTES if batch_bytes is None else batch_bytes
     items = sorted(record.locations.items(), key=lambda kv: (kv[1].rank, kv[1].n))
     start = 0
     while start < len(items):
         stop, size = start, 0
-        while stop < len(items) and (stop == start or size + items[stop][1].nbytes <= batch_bytes):
+        while stop < len(items) and (stop == start or size + items[stop][1].nbytes <= limit):
             size += items[stop][1].nbytes
             stop += 1
         batch = items[start:stop]
-        buffers = [bytearray(loc.nbytes) for _, loc in batch]
-
-        def copy_part(i: int, offset: int, view: memoryview, buffers: list = buffers) -> None:
-            buffers[i][offset : offset + view.nbytes] = view
-
-        fetch_parts(engine, record, batch, copy_part)
-        for (index, loc), buf in zip(batch, buffers, strict=True):
-            yield index, loc, memoryview(buf)
+        buffers = [memoryview(bytearray(loc.nbytes)) for _, loc in batch]
+        keys: list[str] = []
+        views: list[memoryview] = []
+        sums: list[int | None] = []
+        fqns: list[str] = []
+        for (index, loc), buffer in zip(batch, buffers, strict=True):
+            item_keys = loc.keys(engine.prefix, record.checkpoint_id, record.save_id)
+            ranges = part_ranges(loc.nbytes, loc.part_bytes)
+            for p, (key, (a, b)) in enumerate(zip(item_keys, ranges, strict=True)):
+                keys.append(key)
+                views.append(buffer[a:b])
+                sums.append(loc.checksums[p] if loc.checksums else None)
+                fqns.append(index.fqn)
+        read_checked(
+            engine, record.checkpoint_id, keys, views, sums, fqns.__getitem__, verify=verify
+        )
+        for (index, loc), buffer in zip(batch, buffers, strict=True):
+            yield index, loc, buffer
         start = stop
 
 
@@ -245,10 +269,20 @@ def copy_checkpoint(
     dst: str | Engine,
     new_id: str | None = None,
     *,
+    overwrite: bool = False,
     progress: bool = False,
 ) -> CheckpointRecord:
     """Copy a committed checkpoint to another store (or another id), committing it there the
-    same way a save does. E.g. a node's LMDB to the shared Redis."""
+    same way a save does. E.g. a node's LMDB to the shared Redis.
+
+    The copy keeps the original's commit time (``created_at``), so ``latest_checkpoint``,
+    listings and ``keep_last`` order it where the original stands, not as the newest. Every
+    value is checked as it is read against the checksum its save recorded, and the copy records
+    the same checksums; a mismatch raises ``IntegrityError`` naming the checkpoint, the key
+    and the source, and leaves nothing of the copy in ``dst``. (A source saved without
+    checksums is copied as read; the copy records checksums where ``dst`` records them by
+    default, as a save there would.) A checkpoint that ``dst`` already holds under the target
+    id is replaced only with ``overwrite=True``."""
     src_engine, dst_engine = open_store(src, create=False), open_store(dst)
     target = validate_name(new_id or checkpoint_id)
     if (
@@ -257,48 +291,89 @@ def copy_checkpoint(
         and target == checkpoint_id
     ):
         raise KVCheckpointError("copying a checkpoint onto itself: give a NEW_ID or another store")
-    last = None
     with read_lease(src_engine, checkpoint_id, TOOL_READ_LEASE):
-        for record in _records(src_engine, checkpoint_id):
-            last = _copy_record(src_engine, record, dst_engine, target, progress)
-    assert last is not None
-    return last
+        records = _records(src_engine, checkpoint_id)
+        if not overwrite:
+            _refuse_existing(dst_engine, target)
+        copies: list[tuple[CheckpointRecord, str, dict[MetadataIndex, ItemLocation]]] = []
+        try:
+            # Every record's data first, then the commits: a failed check on any rank's data
+            # commits none of them.
+            for record in records:
+                save_id = new_save_id()
+                mark_pending(dst_engine, target, save_id, record.rank)
+                copies.append((record, save_id, {}))
+                _copy_data(src_engine, record, dst_engine, target, save_id, copies[-1][2], progress)
+        except BaseException:
+            _discard_copies(dst_engine, target, [(s, r.rank) for r, s, _ in copies])
+            raise
+        for record, save_id, locations in copies:
+            publish(
+                dst_engine,
+                record.metadata,
+                locations,
+                checkpoint_id=target,
+                save_id=save_id,
+                world_size=record.world_size,
+                rank=record.rank,
+                created_at=record.created_at,
+            )
+    return KVStorageReader(dst_engine, checkpoint_id=target).read_record(rank=records[-1].rank)
 
 
-def _copy_record(
-    src: Engine, record: CheckpointRecord, dst: Engine, target: str, progress: bool
-) -> CheckpointRecord:
-    save_id = new_save_id()
+def _refuse_existing(dst: Engine, target: str) -> None:
+    """Refuse to copy over a checkpoint (any of its ranks) that ``dst`` holds."""
+    if any(e.get("checkpoint_id") == target for e in read_index(dst).checkpoints.values()):
+        raise KVCheckpointError(
+            f"checkpoint {target!r} already exists in {dst.url}: pass overwrite=True "
+            "(kvckpt copy --force) to replace it, or copy under a NEW_ID"
+        )
+
+
+def _discard_copies(dst: Engine, target: str, saves: list[tuple[str, int | None]]) -> None:
+    """Remove the data and pending entries of copies that will not commit."""
+    from .manage import discard_save
+
+    for save_id, rank in saves:
+        try:
+            discard_save(dst, target, save_id, rank)
+        except KVCheckpointError as e:  # gc removes it later
+            logger.warning(
+                "could not remove the failed copy of %r from %s: %s (run gc)", target, dst.url, e
+            )
+
+
+def _copy_data(
+    src: Engine,
+    record: CheckpointRecord,
+    dst: Engine,
+    target: str,
+    save_id: str,
+    locations: dict[MetadataIndex, ItemLocation],
+    progress: bool,
+) -> None:
+    """Write a record's values to ``dst`` under save ``save_id``, filling ``locations``."""
     part_bytes = int(dst.max_value_bytes)
-    mark_pending(dst, target, save_id, record.rank)
-    locations: dict[MetadataIndex, ItemLocation] = {}
 
     def values() -> Iterator[tuple[str, memoryview]]:
         with _progress(record.total_bytes, f"copy {target}", progress) as bar:
-            for index, loc, view in read_items(src, record):
-                new = located(
-                    index,
-                    loc.rank,
-                    loc.n,
-                    view,
-                    part_bytes,
-                    sums=loc.checksums is not None or dst.checksums_by_default,
-                )
+            for index, loc, view in read_items(src, record):  # checked as read
+                ranges = part_ranges(loc.nbytes, part_bytes)
+                if loc.checksums is not None and ranges == part_ranges(loc.nbytes, loc.part_bytes):
+                    # The same parts: the checksums the save recorded, which the read checked.
+                    new = ItemLocation(
+                        loc.rank, loc.n, loc.nbytes, part_bytes, loc.checksums, index_name(index)
+                    )
+                else:
+                    # Parts of another size: checksums of the bytes just checked (or, from a
+                    # source without any, where the destination records them by default).
+                    sums = loc.checksums is not None or dst.checksums_by_default
+                    new = located(index, loc.rank, loc.n, view, part_bytes, sums=sums)
                 locations[index] = new
                 yield from new.split(view, dst.prefix, target, save_id)
                 bar.update(loc.nbytes)
 
     dst.put_many(values())
-    publish(
-        dst,
-        record.metadata,
-        locations,
-        checkpoint_id=target,
-        save_id=save_id,
-        world_size=record.world_size,
-        rank=record.rank,
-    )
-    return KVStorageReader(dst, checkpoint_id=target).read_record(rank=record.rank)
 
 
 # -- export / import of DCP directories -----------------------------------------------------
@@ -307,7 +382,13 @@ def _copy_record(
 def export_checkpoint(
     store: str | Engine, checkpoint_id: str, directory: str | os.PathLike, *, progress: bool = False
 ) -> Path:
-    """Write a checkpoint as a standard DCP directory (FileSystemWriter's layout)."""
+    """Write a checkpoint as a standard DCP directory (FileSystemWriter's layout).
+
+    ``directory`` must be new or empty. Every value is checked as it is read against the
+    checksum its save recorded (``IntegrityError`` on a mismatch). A failed export leaves
+    nothing behind: the directories it created are removed, and so is what it wrote into an
+    empty directory it was given. A directory it cannot write raises ``KVCheckpointError``
+    naming the path."""
     engine = open_store(store, create=False)
     with read_lease(engine, checkpoint_id, TOOL_READ_LEASE):
         return _export(engine, checkpoint_id, Path(directory), progress)
@@ -321,15 +402,30 @@ def _export(engine: Engine, checkpoint_id: str, out: Path, progress: bool) -> Pa
             "export supports checkpoints saved with collectives"
         )
     (record,) = records
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.iterdir()):
-        raise KVCheckpointError(f"export directory {out} is not empty: choose a new one")
+    created = _first_missing(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if any(out.iterdir()):
+            raise KVCheckpointError(f"export directory {out} is not empty: choose a new one")
+    except OSError as e:
+        raise _unwritable(checkpoint_id, out, e) from None
+    try:
+        _write_export(engine, record, out, progress)
+    except BaseException as e:
+        _remove_export(out, created)
+        if isinstance(e, OSError) and not isinstance(e, KVCheckpointError):
+            raise _unwritable(checkpoint_id, out, e) from e
+        raise
+    return out
+
+
+def _write_export(engine: Engine, record: CheckpointRecord, out: Path, progress: bool) -> None:
     md = record.metadata
     storage: dict[MetadataIndex, _StorageInfo] = {}
     files: dict[int, BinaryIO] = {}
     try:
-        with _progress(record.total_bytes, f"export {checkpoint_id}", progress) as bar:
-            for index, loc, view in read_items(engine, record):
+        with _progress(record.total_bytes, f"export {record.checkpoint_id}", progress) as bar:
+            for index, loc, view in read_items(engine, record):  # checked as read
                 name = f"__{loc.rank}_0.distcp"
                 stream = files.get(loc.rank)
                 if stream is None:
@@ -347,7 +443,45 @@ def _export(engine: Engine, checkpoint_id: str, out: Path, progress: bool) -> Pa
     exported = dataclasses.replace(md, storage_data=storage, version=md.version or "1.0.0")
     with open(out / ".metadata", "wb") as f:
         pickle.dump(exported, f)
-    return out
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost of ``path`` and its parents that does not exist (None: ``path`` exists):
+    what a ``mkdir(parents=True)`` of ``path`` creates."""
+    missing = None
+    for p in (path.absolute(), *path.absolute().parents):
+        if os.path.lexists(p):
+            break
+        missing = p
+    return missing
+
+
+def _remove_export(out: Path, created: Path | None) -> None:
+    """Undo a failed export: the directories it created, or else (a directory that was empty
+    when it began) everything in it."""
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
+        return
+    with contextlib.suppress(OSError):
+        for entry in out.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
+def _unwritable(
+    checkpoint_id: str, path: Path, error: OSError, *, name_file: bool = True
+) -> KVCheckpointError:
+    """The error for a path that cannot be written (``name_file``: add the file the OS named,
+    when it is another one, such as a file inside an export directory)."""
+    reason = error.strerror or str(error)
+    named = name_file and error.filename and str(error.filename) != str(path)
+    where = f" ({error.filename})" if named else ""
+    return KVCheckpointError(
+        f"cannot write checkpoint {checkpoint_id!r} to {path}: {reason}{where}; choose a "
+        "path you can write to"
+    )
 
 
 class _DCPMetadataUnpickler(pickle.Unpickler):
@@ -418,7 +552,8 @@ def read_dcp_metadata(directory: str | os.PathLike) -> Metadata:
 def import_checkpoint(
     directory: str | os.PathLike, store: str | Engine, checkpoint_id: str, *, progress: bool = False
 ) -> CheckpointRecord:
-    """Import a directory written by DCP's ``FileSystemWriter`` (any world size)."""
+    """Import a directory written by DCP's ``FileSystemWriter`` (any world size). A failed
+    import leaves nothing of it in the store."""
     engine = open_store(store)
     validate_name(checkpoint_id)
     src = Path(directory)
@@ -451,15 +586,19 @@ def import_checkpoint(
             for handle in handles.values():
                 handle.close()
 
-    engine.put_many(values())
-    publish(
-        engine,
-        dataclasses.replace(md, storage_data=None),
-        locations,
-        checkpoint_id=checkpoint_id,
-        save_id=save_id,
-        world_size=world_size,
-    )
+    try:
+        engine.put_many(values())
+        publish(
+            engine,
+            dataclasses.replace(md, storage_data=None),
+            locations,
+            checkpoint_id=checkpoint_id,
+            save_id=save_id,
+            world_size=world_size,
+        )
+    except BaseException:
+        _discard_copies(engine, checkpoint_id, [(save_id, None)])
+        raise
     return KVStorageReader(engine, checkpoint_id=checkpoint_id).read_record()
 
 
@@ -513,22 +652,58 @@ def _read_dcp_item(
 
 
 def torch_save_checkpoint(store: str | Engine, checkpoint_id: str, path: str | os.PathLike) -> Path:
-    """One ``torch.save`` file with full (unsharded) tensors, as ``dcp_to_torch_save`` does."""
+    """One ``torch.save`` file with full (unsharded) tensors, as ``dcp_to_torch_save`` does.
+
+    Every value is checked against the checksum its save recorded. The file is written under
+    a temporary name next to ``path`` and renamed when whole: a failed run leaves no file, and
+    a path it cannot write fails (``KVCheckpointError`` naming it) before anything is read."""
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     engine = open_store(store, create=False)
     # A missing store or checkpoint fails here with kvckpt's own error, not wrapped by DCP.
     _records(engine, checkpoint_id)
-    state_dict: dict[str, Any] = {}
-    _load_state_dict(
-        state_dict,
-        storage_reader=KVStorageReader(engine, checkpoint_id=checkpoint_id),
-        planner=_EmptyStateDictLoadPlanner(),
-        no_dist=True,
-    )
-    torch.save(state_dict, path)
-    return Path(path)
+    path = Path(path)
+    if path.is_dir():
+        raise KVCheckpointError(
+            f"cannot write checkpoint {checkpoint_id!r} to {path}: it is a directory; give a "
+            "file name"
+        )
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        stream = open(tmp, "wb")  # noqa: SIM115
+    except OSError as e:
+        raise _unwritable(checkpoint_id, path, e, name_file=False) from None
+    try:
+        with stream:
+            state_dict: dict[str, Any] = {}
+            try:
+                _load_state_dict(
+                    state_dict,
+                    storage_reader=KVStorageReader(
+                        engine, checkpoint_id=checkpoint_id, verify=True
+                    ),
+                    planner=_EmptyStateDictLoadPlanner(),
+                    no_dist=True,
+                )
+            except CheckpointException as e:  # one process: its own error, not DCP's wrapper
+                failures = list(e.failures.values())
+                if len(failures) != 1:
+                    raise
+                raise failures[0][0] from None
+            try:
+                torch.save(state_dict, stream)
+            except OSError as e:
+                raise _unwritable(checkpoint_id, path, e, name_file=False) from e
+        try:
+            os.replace(tmp, path)
+        except OSError as e:
+            raise _unwritable(checkpoint_id, path, e, name_file=False) from e
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
 
 
 class DirectoryReader(FileSystemReader):

@@ -222,7 +222,7 @@ def test_a_resave_between_common_and_sharded_reads_fails_the_load(
     )
     try:
         KVLoadCommonStrategy(url).load_common(ckpt_dir)
-        copy_checkpoint(url, ranks.SYNC, url, "iter_race")  # the re-save: a new save of the id
+        copy_checkpoint(url, ranks.SYNC, url, "iter_race", overwrite=True)  # a re-save of the id
         with load_fails(caplog, "was re-saved"):  # DCP's CheckpointException
             KVLoadShardedStrategy(url).load(ranks.sharded_state_dict(0, 1, None), ckpt_dir)
         # Read again, both parts come from the one save now there.
