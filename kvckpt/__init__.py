@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .engines.base import Engine
 from .errors import (
+    CheckpointExistsError,
     CheckpointLockedError,
     CheckpointNotFoundError,
     DataError,
@@ -30,6 +31,7 @@ from .errors import (
     UnsafeObjectError,
     UnsafeStoreError,
     UnsupportedFormatVersionError,
+    UnwritablePathError,
 )
 from .manage import (
     CheckpointInfo,
@@ -77,6 +79,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "CheckpointExistsError",
     "CheckpointInfo",
     "CheckpointLockedError",
     "CheckpointNotFoundError",
@@ -106,6 +109,7 @@ __all__ = [
     "UnsafeObjectError",
     "UnsafeStoreError",
     "UnsupportedFormatVersionError",
+    "UnwritablePathError",
     "background_stager",
     "delete_checkpoint",
     "gc",

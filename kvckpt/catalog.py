@@ -580,6 +580,42 @@ def rebuild_index(engine: Engine) -> Index:
     return index
 
 
+#: The ``origin`` of the parts of a save that ``Tiers.prefetch`` brought into a node's store.
+PREFETCHED = "prefetch"
+
+
+def record_share(engine: Engine, checkpoint_id: str, save_id: str, ranks: list[int]) -> None:
+    """After ``Tiers.prefetch`` copied the data of ``ranks`` of a save into a node-local store
+    (this node's share of it, without metadata): replace its pending entry with records of
+    those ranks' parts, as a save records the parts other nodes' ranks write into a store
+    (``tidy_remote_store``), so that ``gc`` keeps them and retention drops them in time."""
+    now = time.time()
+
+    def change(idx: Index) -> None:
+        idx.pending.pop(pending_name(checkpoint_id, save_id, None), None)
+        for rank in ranks:
+            idx.remote[pending_name(checkpoint_id, save_id, rank)] = {
+                "checkpoint_id": checkpoint_id,
+                "save_id": save_id,
+                "rank": rank,
+                "origin": PREFETCHED,
+                "written_at": now,
+            }
+
+    update_index(engine, change)
+    release_lease(engine, checkpoint_id, save_id, None)
+
+
+def unregister(engine: Engine, checkpoint_id: str, save_id: str) -> None:
+    """Drop a save's pending entry and write lease without touching data."""
+
+    def change(idx: Index) -> None:
+        idx.pending.pop(pending_name(checkpoint_id, save_id, None), None)
+
+    update_index(engine, change)
+    release_lease(engine, checkpoint_id, save_id, None)
+
+
 def tidy_remote_store(
     engine: Engine,
     *,
@@ -599,7 +635,7 @@ def tidy_remote_store(
     stale = {
         name: e
         for name, e in index.remote.items()
-        if e.get("origin") == origin
+        if e.get("origin") in (origin, PREFETCHED)
         and e.get("rank") == rank
         and (e.get("checkpoint_id"), e.get("save_id")) not in live
         and isinstance(e.get("checkpoint_id"), str)

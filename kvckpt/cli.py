@@ -7,7 +7,8 @@ Exit codes (``EXIT_CODES``): 0 success; 1 verification found problems; 2 usage e
 arguments, URL, URL option or checkpoint id); 3 checkpoint or store not found; 4 store
 unreachable (down, or refused the credentials); 5 checkpoint damaged or unreadable; 6 the
 destination cannot be written (a store that is full, read-only, or unsafe to write, a
-checkpoint id another writer holds, or a file or directory that cannot be created); 7 any
+checkpoint id another writer holds or one that exists where ``copy`` was not told to replace
+it, or a file or directory that cannot be created); 7 any
 other error.
 
 With ``--json``, every command prints one JSON document on stdout, an error included:
@@ -28,6 +29,7 @@ import click
 from . import manage
 from .engines.base import Engine
 from .errors import (
+    CheckpointExistsError,
     CheckpointLockedError,
     CheckpointNotFoundError,
     DataError,
@@ -40,6 +42,7 @@ from .errors import (
     StoreUnavailableError,
     UnsafeObjectError,
     UnsafeStoreError,
+    UnwritablePathError,
 )
 from .stores import open_store
 
@@ -118,7 +121,13 @@ def exit_code(error: BaseException) -> int:
     if isinstance(error, CheckpointNotFoundError):
         return EXIT_NOT_FOUND
     if isinstance(
-        error, StoreFullError | ReadOnlyStoreError | UnsafeStoreError | CheckpointLockedError
+        error,
+        StoreFullError
+        | ReadOnlyStoreError
+        | UnsafeStoreError
+        | CheckpointLockedError
+        | CheckpointExistsError
+        | UnwritablePathError,
     ):
         return EXIT_DESTINATION
     if isinstance(error, StoreUnavailableError):

@@ -85,3 +85,12 @@ class SaveAbandonedError(KVCheckpointError):
 
 class ReplicationError(KVCheckpointError):
     """A checkpoint committed in the fast tier could not be copied to a slower one."""
+
+
+class CheckpointExistsError(KVCheckpointError, FileExistsError):
+    """The destination already holds a checkpoint of that id, and replacing it was not asked
+    for (``overwrite=True``, ``kvckpt copy --force``)."""
+
+
+class UnwritablePathError(KVCheckpointError, OSError):
+    """A file or directory an export or ``torch-save`` writes cannot be created there."""

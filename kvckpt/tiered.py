@@ -53,10 +53,17 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 from torch.futures import Future as TorchFuture
 
-from .catalog import hold_read_lease, mark_pending, publish, read_lease
+from .catalog import (
+    hold_read_lease,
+    mark_pending,
+    publish,
+    read_lease,
+    record_share,
+    unregister,
+)
 from .engines.base import Engine
 from .errors import KVCheckpointError, ReplicationError
-from .format import ItemLocation, part_ranges, spare_key
+from .format import CheckpointRecord, ItemLocation, part_ranges, spare_key
 from .manage import NEVER, discard_save, gc, list_checkpoints
 from .node import node_id
 from .reader import KVStorageReader, read_checked
@@ -402,34 +409,59 @@ class Tiers:
 
     # -- restoring ----------------------------------------------------------------------------
 
-    def prefetch(self, *, local_rank: int | None = None) -> Future[Restore | None] | None:
-        """Start copying the newest checkpoint from a shared tier into the first (node-local)
-        tier, in the background; ``latest()`` and ``restore()`` wait for it, then read local
-        memory.
+    def prefetch(
+        self,
+        *,
+        local_rank: int | None = None,
+        node_rank: int | None = None,
+        ranks_per_node: int | None = None,
+    ) -> Future[Restore | None] | None:
+        """Start bringing this node's share of the newest checkpoint from a shared tier into
+        the first (node-local) tier, in the background; ``latest()`` and ``restore()`` wait for
+        it, then read local memory.
 
         Call it at the top of the training script, right after constructing ``Tiers``: the copy
-        then runs while the rest of the start-up does (process group, model, optimizer), which
-        a restore would otherwise wait for and then read over the network. It needs no process
-        group. One process per node copies, local rank 0 (``local_rank``, by default torchrun's
-        ``LOCAL_RANK``); the others return None at once.
+        then runs while the rest of the start-up does (process group, model, optimizer). It
+        needs no process group. One process per node copies, local rank 0 (``local_rank``, by
+        default torchrun's ``LOCAL_RANK``); the others return None at once, as does a
+        ``Tiers`` of one store or whose first store is shared.
 
-        The future's result is the local copy (None when there is nothing to bring: no
-        checkpoint, the first tier already holds the newest, or it is only in the durable
-        directory). A failed copy is logged and leaves nothing behind; the restore then reads
-        the shared tier, as without a prefetch.
+        This node's share is what the ranks of this node wrote when the checkpoint was saved,
+        ranks ``node_rank * ranks_per_node`` to ``(node_rank + 1) * ranks_per_node - 1``: what
+        its store held before the node was replaced, and what a restore with the same world
+        size reads there. The rest lies in the other nodes' stores, which ``restore()`` reads
+        through them. ``node_rank`` defaults to torchrun's ``GROUP_RANK`` (else 0) and
+        ``ranks_per_node`` to its ``LOCAL_WORLD_SIZE``; where neither is known, the share is the
+        whole checkpoint. Values the store already holds whole are not fetched again, so on a
+        plain restart (the store survived) a prefetch reads no data.
+
+        The future's result is the checkpoint it brought values of, read from the first tier
+        (None when there was nothing to bring: no checkpoint in a shared tier, only one in the
+        durable directory, or every value of the share already local). When the copy fails,
+        ``result()`` raises the copy's error; the copy leaves nothing behind, and ``restore()``
+        logs the error and reads those values from the shared tier.
         """
         if local_rank is None:
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if local_rank != 0 or self.engines[0].shared or len(self.engines) == 1:
             return None
+        if node_rank is None:
+            node_rank = int(os.environ.get("GROUP_RANK", "0"))
+        if ranks_per_node is None and "LOCAL_WORLD_SIZE" in os.environ:
+            ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        share = (
+            None
+            if ranks_per_node is None
+            else range(node_rank * ranks_per_node, (node_rank + 1) * ranks_per_node)
+        )
         with self._lock:
             if self._prefetch is None:
-                self._prefetch = self._pool.submit(self._bring_newest)
+                self._prefetch = self._pool.submit(self._bring_share, share)
             return self._prefetch
 
-    def _bring_newest(self) -> Restore | None:
-        choice = self._choose(single_host=True)
-        if choice is None or choice.tier in (0, len(self.engines)):
+    def _bring_share(self, share: range | None) -> Restore | None:
+        choice = self._choose(single_host=False)  # the newest checkpoint of a shared tier
+        if choice is None or choice.tier == len(self.engines):
             return None
         src, dst = self.engines[choice.tier], self.engines[0]
         checkpoint_id = choice.checkpoint_id
@@ -437,24 +469,53 @@ class Tiers:
             record = KVStorageReader(src, checkpoint_id=checkpoint_id).read_record()
             if record.created_at != choice.created_at:
                 return None  # saved again meanwhile: the restore chooses afresh
-            save_id, locations = record.save_id, list(record.locations.values())
+            save_id = record.save_id
+            whole = share is None or set(range(record.world_size)) <= set(share)
+            mine = [loc for loc in record.locations.values() if share is None or loc.rank in share]
+            missing = _not_held(dst, record, mine)
+            if not missing and (not whole or self._lists(dst, choice)):
+                return None
             mark_pending(dst, checkpoint_id, save_id, None, self.replicate_timeout)
             try:
-                copy_values(src, [dst], checkpoint_id, save_id, locations, renew)
-                publish(
-                    dst,
-                    record.metadata,
-                    record.locations,
-                    checkpoint_id=checkpoint_id,
-                    save_id=save_id,
-                    world_size=record.world_size,
-                    created_at=record.created_at,
-                )
+                copy_values(src, [dst], checkpoint_id, save_id, missing, renew)
+                if whole:
+                    publish(
+                        dst,
+                        record.metadata,
+                        record.locations,
+                        checkpoint_id=checkpoint_id,
+                        save_id=save_id,
+                        world_size=record.world_size,
+                        created_at=record.created_at,
+                    )
+                else:
+                    # Recorded as another node's part of the save: kept by gc, dropped by the
+                    # coordinator's retention one save later (``tidy_remote_store``).
+                    record_share(dst, checkpoint_id, save_id, sorted({loc.rank for loc in mine}))
             except BaseException:
-                self._discard(dst, checkpoint_id, save_id)
+                _drop_copied(dst, record, missing)
                 raise
-        logger.info("kvckpt tiers: prefetched %r from %s into %s", checkpoint_id, src.url, dst.url)
+        logger.info(
+            "kvckpt tiers: prefetched %d of %d values of %r from %s into %s",
+            len(missing),
+            len(mine),
+            checkpoint_id,
+            src.url,
+            dst.url,
+        )
         return dataclasses.replace(choice, tier=0, source=dst.url)
+
+    @staticmethod
+    def _lists(engine: Engine, choice: Restore) -> bool:
+        """Whether ``engine`` lists the chosen save as a complete checkpoint."""
+        try:
+            infos = list_checkpoints(engine)
+        except KVCheckpointError:
+            return False
+        return any(
+            i.checkpoint_id == choice.checkpoint_id and i.created_at == choice.created_at
+            for i in infos
+        )
 
     def _await_prefetch(self) -> None:
         if self._prefetch is None:
@@ -602,6 +663,35 @@ def copy_values(
         renew()
     for dst in dsts:
         dst.sync_replicas()
+
+
+def _not_held(
+    engine: Engine, record: CheckpointRecord, locs: list[ItemLocation]
+) -> list[ItemLocation]:
+    """The items of ``locs`` that ``engine`` does not hold whole (every part, its size)."""
+    keys = [loc.keys(engine.prefix, record.checkpoint_id, record.save_id) for loc in locs]
+    sizes = engine.value_sizes([k for item in keys for k in item])
+    missing, at = [], 0
+    for loc, item in zip(locs, keys, strict=True):
+        want = [b - a for a, b in part_ranges(loc.nbytes, loc.part_bytes)]
+        if sizes[at : at + len(item)] != want:
+            missing.append(loc)
+        at += len(item)
+    return missing
+
+
+def _drop_copied(engine: Engine, record: CheckpointRecord, locs: list[ItemLocation]) -> None:
+    """After a failed prefetch: delete the values it wrote (never the values the store held
+    before) and its pending entry. Best effort: what stays is gc's."""
+    try:
+        engine.delete(
+            key
+            for loc in locs
+            for key in loc.keys(engine.prefix, record.checkpoint_id, record.save_id)
+        )
+        unregister(engine, record.checkpoint_id, record.save_id)
+    except KVCheckpointError as e:
+        logger.warning("could not remove a failed prefetch from %s: %s (run gc)", engine.url, e)
 
 
 def _no_renewal(force: bool = False) -> None:

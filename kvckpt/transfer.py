@@ -36,7 +36,13 @@ from tqdm import tqdm
 from .adapter import new_save_id
 from .catalog import mark_pending, publish, read_index, read_lease
 from .engines.base import Engine
-from .errors import DataError, KVCheckpointError, MetadataError
+from .errors import (
+    CheckpointExistsError,
+    DataError,
+    KVCheckpointError,
+    MetadataError,
+    UnwritablePathError,
+)
 from .format import (
     CheckpointRecord,
     ItemLocation,
@@ -324,7 +330,7 @@ def copy_checkpoint(
 def _refuse_existing(dst: Engine, target: str) -> None:
     """Refuse to copy over a checkpoint (any of its ranks) that ``dst`` holds."""
     if any(e.get("checkpoint_id") == target for e in read_index(dst).checkpoints.values()):
-        raise KVCheckpointError(
+        raise CheckpointExistsError(
             f"checkpoint {target!r} already exists in {dst.url}: pass overwrite=True "
             "(kvckpt copy --force) to replace it, or copy under a NEW_ID"
         )
@@ -472,13 +478,13 @@ def _remove_export(out: Path, created: Path | None) -> None:
 
 def _unwritable(
     checkpoint_id: str, path: Path, error: OSError, *, name_file: bool = True
-) -> KVCheckpointError:
+) -> UnwritablePathError:
     """The error for a path that cannot be written (``name_file``: add the file the OS named,
     when it is another one, such as a file inside an export directory)."""
     reason = error.strerror or str(error)
     named = name_file and error.filename and str(error.filename) != str(path)
     where = f" ({error.filename})" if named else ""
-    return KVCheckpointError(
+    return UnwritablePathError(
         f"cannot write checkpoint {checkpoint_id!r} to {path}: {reason}{where}; choose a "
         "path you can write to"
     )

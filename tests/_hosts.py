@@ -68,26 +68,33 @@ def restore_worker(
     rank: int,
     world: int,
     port: int,
-    cases: list[tuple[str, str, bool]],
+    cases: list[tuple[str, str, str]],
     redis_url: str,
     ranks_per_host: int,
     mib: float,
     out: str,
 ) -> None:
-    """Restore each case (name, root of its hosts' stores, through ``Tiers`` or the reader
-    alone) in turn; write each rank's counters, and rank 0 what Redis served, per case."""
+    """Restore each case (name, root of its hosts' stores, how: ``reader`` alone, ``tiers``,
+    or ``prefetch`` then ``tiers``) in turn; write each rank's counters, and what Redis served
+    meanwhile, per case."""
     _as_host(rank, ranks_per_host)
     _init(rank, world, port)
     client = redis.Redis.from_url(redis_url)
     want = full_state(mib)
-    for name, root, use_tiers in cases:
+    for name, root, how in cases:
         state = rank_state(world, mib, zeros=True)
         stores = [host_url(root, rank, ranks_per_host), redis_url]
         dist.barrier()
         before = int(client.info("stats")["total_net_output_bytes"])
         dist.barrier()
-        if use_tiers:
+        if how != "reader":
             tiers = Tiers(stores)
+            if how == "prefetch":
+                tiers.prefetch(
+                    local_rank=rank % ranks_per_host,
+                    node_rank=rank // ranks_per_host,
+                    ranks_per_node=ranks_per_host,
+                )
             restored = tiers.restore(state)
             assert restored is not None and restored.checkpoint_id == "step-1"
             stats = tiers.last_restore_stats

@@ -276,7 +276,7 @@ def test_export_into_an_unwritable_directory_names_the_path(lmdb_url: str, tmp_p
             export_checkpoint(lmdb_url, "step-1", path)
     assert (tmp_path / "file").read_text() == ""
     result = run("export", lmdb_url, "step-1", str(tmp_path / "file" / "sub"))
-    assert result.returncode == 5 and str(tmp_path / "file" / "sub") in result.stderr
+    assert result.returncode == 6 and str(tmp_path / "file" / "sub") in result.stderr
 
 
 def test_torch_save_into_an_unwritable_directory_names_the_path(
@@ -290,7 +290,7 @@ def test_torch_save_into_an_unwritable_directory_names_the_path(
         ):
             torch_save_checkpoint(lmdb_url, "step-1", path)
     result = run("torch-save", lmdb_url, "step-1", str(tmp_path / "file" / "full.pt"))
-    assert result.returncode == 5 and str(tmp_path / "file" / "full.pt") in result.stderr
+    assert result.returncode == 6 and str(tmp_path / "file" / "full.pt") in result.stderr
     assert "enforce fail" not in result.stderr
 
 

@@ -222,8 +222,8 @@ def test_a_cleanup_racing_the_prefetch_never_publishes_missing_data(
 def test_every_node_prefetched_so_every_rank_reads_its_own_node(
     tmp_path: Path, redis_url: str, prefetch: list[bool]
 ) -> None:
-    """Two ranks on two (simulated) nodes: the restore uses the node-local tier only when every
-    node holds the whole checkpoint; otherwise every rank reads the shared tier."""
+    """Two ranks on two (simulated) nodes: a node that prefetched the checkpoint reads it from
+    its own store and serves the other node, so the shared tier serves no data."""
     saved_tiers(tmp_path, redis_url)
     locals_ = [f"lmdb://{tmp_path / f'node{r}'}" for r in range(2)]
     mp.spawn(

@@ -47,7 +47,7 @@ def _variant(saved: Path, root: Path, lost: list[int]) -> str:
 
 
 def _restore(
-    tmp: Path, redis_url: str, world: int, per_host: int, cases: list[tuple[str, str, bool]]
+    tmp: Path, redis_url: str, world: int, per_host: int, cases: list[tuple[str, str, str]]
 ) -> dict[str, list[dict]]:
     out = tmp / "out"
     out.mkdir(exist_ok=True)
@@ -85,21 +85,26 @@ def test_restarts_of_four_hosts_read_each_byte_from_the_nearest_place(
     store.close()
     close_idle_environments()
     cases = [
-        ("plain-reader", _variant(saved, tmp_path / "plain", []), False),
-        ("plain-tiers", str(tmp_path / "plain"), True),
-        ("one-replaced", _variant(saved, tmp_path / "one", [2]), True),
-        ("all-lost", _variant(saved, tmp_path / "all", [0, 1, 2, 3]), True),
-        ("damaged", damaged, True),
+        ("plain-reader", _variant(saved, tmp_path / "plain", []), "reader"),
+        ("plain-tiers", str(tmp_path / "plain"), "tiers"),
+        ("plain-prefetch", str(tmp_path / "plain"), "prefetch"),
+        ("one-replaced", _variant(saved, tmp_path / "one", [2]), "tiers"),
+        ("one-prefetch", _variant(saved, tmp_path / "one-p", [2]), "prefetch"),
+        ("all-lost", _variant(saved, tmp_path / "all", [0, 1, 2, 3]), "tiers"),
+        ("damaged", damaged, "tiers"),
     ]
     got = _restore(tmp_path, redis_url, 4, 1, cases)
     state = _state_bytes()
-    for name in ("plain-reader", "plain-tiers"):
+    for name in ("plain-reader", "plain-tiers", "plain-prefetch"):
         assert _shared(got[name]) == 0, name  # metadata aside
         assert got[name][0]["served"] < _OVERHEAD, name
         assert all(s["local"] > 0 and s["peers"] > 0 for s in got[name]), name
     one = _shared(got["one-replaced"])
     assert 0 < one <= state / 4 * 1.05  # the replaced host's share
     assert got["one-replaced"][0]["served"] < one + _OVERHEAD
+    # prefetch on the replaced host fetches its share alone; the restore then reads none
+    assert _shared(got["one-prefetch"]) == 0
+    assert one <= got["one-prefetch"][0]["served"] < one + _OVERHEAD
     # replicated items are read from Redis once, not once per rank
     assert _shared(got["all-lost"]) == state
     assert got["all-lost"][0]["served"] < state + _OVERHEAD
@@ -114,8 +119,8 @@ def test_a_new_world_size_reads_the_surviving_stores(
     every item: nothing from Redis), and by 1 rank on host 0 (host 1's share from Redis)."""
     saved = tmp_path / "saved"
     _save(saved, redis_url, world=2, per_host=1)
-    doubled = _restore(tmp_path, redis_url, 4, 2, [("doubled", str(saved), True)])["doubled"]
+    doubled = _restore(tmp_path, redis_url, 4, 2, [("doubled", str(saved), "tiers")])["doubled"]
     assert _shared(doubled) == 0
     assert doubled[0]["served"] < _OVERHEAD
-    halved = _restore(tmp_path, redis_url, 1, 1, [("halved", str(saved), True)])["halved"]
+    halved = _restore(tmp_path, redis_url, 1, 1, [("halved", str(saved), "tiers")])["halved"]
     assert 0 < _shared(halved) <= _state_bytes() / 2 * 1.05
