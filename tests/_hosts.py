@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import redis
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from kvckpt import Tiers
 from kvckpt.restore import TieredStorageReader
@@ -25,24 +26,36 @@ from kvckpt.restore import TieredStorageReader
 from ._dist import _finish, _init
 
 
-def full_state(mib: float) -> dict[str, torch.Tensor]:
-    """The whole state: ``mib`` MiB, half in 4 replicated tensors, half in 4 sharded ones."""
+def full_state(mib: float) -> dict[str, Any]:
+    """The whole state: ``mib`` MiB, half in 4 replicated tensors (DDP), half in 4 sharded ones
+    (FSDP), one HSDP tensor (replicated over one mesh dimension, sharded over the other), and a
+    few objects (stored as pickled bytes, loaded under ``weights_only`` rules)."""
     g = torch.Generator().manual_seed(7)
     rows = max(8, int(mib * (1 << 20) / 2 / 4 / 4 / 64))  # float32 x 64 columns
     state = {f"rep{i}": torch.randn(rows, 64, generator=g) for i in range(4)}
     state |= {f"shard{i}": torch.randn(rows * 8, 8, generator=g) for i in range(4)}
-    return state
+    state["hsdp"] = torch.randn(rows, 16, generator=g)
+    return state | {"step": 7, "run": {"name": "scale", "lr": [0.1, 0.01]}}
 
 
-def rank_state(world: int, mib: float, zeros: bool = False) -> dict[str, torch.Tensor]:
+def rank_state(world: int, mib: float, zeros: bool = False) -> dict[str, Any]:
     full = full_state(mib)
-    if zeros:
-        full = {k: torch.zeros_like(v) for k, v in full.items()}
+    if zeros:  # the same structure, other values
+        full = {k: torch.zeros_like(v) for k, v in full.items() if isinstance(v, torch.Tensor)}
+        full |= {"step": 0, "run": {"name": "", "lr": [0.0, 0.0]}}
     mesh = init_device_mesh("cpu", (world,))
-    return {
-        k: distribute_tensor(v, mesh, [Shard(0)]) if k.startswith("shard") else v.clone()
+    replicas = 2 if world % 2 == 0 else 1
+    hsdp = init_device_mesh("cpu", (replicas, world // replicas))
+    state = {
+        k: distribute_tensor(v, mesh, [Shard(0)])
+        if k.startswith("shard")
+        else v.clone()
+        if isinstance(v, torch.Tensor)
+        else v
         for k, v in full.items()
     }
+    state["hsdp"] = distribute_tensor(full["hsdp"], hsdp, [Replicate(), Shard(0)])
+    return state
 
 
 def host_url(root: str, rank: int, ranks_per_host: int) -> str:
@@ -109,7 +122,9 @@ def restore_worker(
         exact = True
         for k, v in state.items():
             got = v.full_tensor() if isinstance(v, DTensor) else v
-            exact &= bool(torch.equal(got, want[k]))
+            exact &= (
+                bool(torch.equal(got, want[k])) if isinstance(got, torch.Tensor) else got == want[k]
+            )
         Path(out, f"{name}.rank{rank}.json").write_text(
             json.dumps(
                 {
