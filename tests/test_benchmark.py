@@ -198,3 +198,27 @@ def test_goodput_interval_search(monkeypatch) -> None:
     assert search([(1, -0.01)]) == [None]
     tries = [{"interval": 10, "overhead": 0.2}]
     assert goodput.next_interval(tries, 0.05, searching=False) == 40
+
+
+def test_restore_scale_smoke_run(tmp_path) -> None:
+    """benchmarks/restore_scale.py at its smallest: 2 hosts, a tiny DDP state, a plain restart
+    and one replaced host, each with its Redis-only baseline; bit-exact, and the shared tier
+    serves the replaced host's share only."""
+    out = tmp_path / "results"
+    result = run_benchmark(
+        "restore_scale.py",
+        *("--hosts", "2", "--mib", "1", "--kinds", "ddp", "--cases", "plain,one-replaced"),
+        *("--probe-mib", "1", "--root", str(tmp_path), "--out", str(out)),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    data = json.loads((out / "restore_scale.json").read_text())
+    state = data["state_bytes"]
+    plain, one = data["cases"]["ddp/2/plain"], data["cases"]["ddp/2/one-replaced"]
+    for case in (plain, one):
+        assert case["ranks"] == 2
+        assert case["tiered"]["exact"] and case["baseline"]["exact"]
+        assert case["baseline"]["served"] >= 2 * state  # every rank reads all of it from Redis
+    assert plain["tiered"]["shared_total"] == 0 and plain["tiered"]["peers_total"] > 0
+    assert one["tiered"]["shared_total"] == state / 2  # host 1's share of the replicated items
+    assert data["costs"][0]["exchange_gbps"] > 0
+    assert (out / "restore_scale.md").read_text().startswith("| hosts | state | case |")
