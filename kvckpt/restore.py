@@ -177,7 +177,8 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         verify: check each value against the checksum recorded at save, on every tier
             (default: wherever the save recorded them). A mismatch sends the item to the next
             tier.
-        weights_only, lease: as ``KVStorageReader``'s, for every tier.
+        weights_only: as ``KVStorageReader``'s, for every tier.
+        lease: as ``KVStorageReader``'s, for every tier.
 
     After a load, ``stats`` says where this rank's bytes came from (``RestoreStats``).
     """
