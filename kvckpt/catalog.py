@@ -560,8 +560,9 @@ def _delete_replaced(engine: Engine, checkpoint_id: str, save_id: str, replaced:
         )
 
 
-def rebuild_index(engine: Engine) -> Index:
-    """Rebuild the index from the metadata keys (a full scan: for repair, not for listing)."""
+def rebuild_index(engine: Engine, *, write: bool = True) -> Index:
+    """Rebuild the index from the metadata keys (a full scan: for repair, not for listing);
+    ``write=False`` returns it without storing it (a dry run)."""
     checkpoints: dict[str, dict[str, Any]] = {}
     for key in engine.scan(meta_prefix(engine.prefix)):
         parsed = parse_meta_key(engine.prefix, key)
@@ -575,8 +576,9 @@ def rebuild_index(engine: Engine) -> Index:
             continue
         checkpoints[entry_name(*parsed)] = summary(record)
     index = Index(checkpoints, {})
-    key = index_key(engine.prefix)
-    engine.transact([key], lambda _: {key: index.encode()})
+    if write:
+        key = index_key(engine.prefix)
+        engine.transact([key], lambda _: {key: index.encode()})
     return index
 
 

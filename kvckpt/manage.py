@@ -17,7 +17,6 @@ from typing import Any
 from .catalog import (
     Index,
     collect_retired,
-    entry_name,
     live_readers,
     pending_name,
     read_index,
@@ -25,7 +24,6 @@ from .catalog import (
     rebuild_index,
     release_lease,
     retire,
-    summary,
     update_index,
 )
 from .engines.base import Engine
@@ -33,10 +31,7 @@ from .errors import CheckpointNotFoundError, MetadataError, StoreNotFoundError
 from .format import (
     data_prefix,
     decode_data_keys,
-    decode_metadata,
     meta_key,
-    meta_prefix,
-    parse_meta_key,
     spare_key,
     spare_prefix,
 )
@@ -412,19 +407,7 @@ def _index_in_memory(engine: Engine) -> Index:
     try:
         return read_index(engine)
     except MetadataError:
-        pass
-    checkpoints: dict[str, dict[str, Any]] = {}
-    for key in engine.scan(meta_prefix(engine.prefix)):
-        parsed = parse_meta_key(engine.prefix, key)
-        raw = engine.get(key)
-        if parsed is None or raw is None:
-            continue
-        try:
-            record = decode_metadata(raw, where=f"{key!r} in {engine.url}")
-        except MetadataError:
-            continue
-        checkpoints[entry_name(*parsed)] = summary(record)
-    return Index(checkpoints, {})
+        return rebuild_index(engine, write=False)
 
 
 def _gc_dry_run(

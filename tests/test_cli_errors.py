@@ -4,7 +4,6 @@ every command, gc --dry-run, and a command line that lists without importing tor
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -40,17 +39,7 @@ from kvckpt.format import data_prefix, decode_metadata, decode_summary, meta_key
 from kvckpt.manage import gc
 from kvckpt.testing import RedisServer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvckpt", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+from ._cli import ROOT, run
 
 
 def save(url: str, cid: str) -> None:

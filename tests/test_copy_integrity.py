@@ -8,8 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -40,7 +38,8 @@ from kvckpt.transfer import (
     verify,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+from ._cli import run
+
 AS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
 
@@ -81,16 +80,6 @@ def assert_nothing_of(url: str, cid: str) -> None:
     ] == []
     assert read_index(engine).pending == {}
     assert list(engine.scan(data_prefix(engine.prefix, cid))) == []
-
-
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvckpt", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 # -- copy -------------------------------------------------------------------------------------
