@@ -615,11 +615,7 @@ def decode_summary(raw: bytes, *, where: str) -> dict[str, Any]:
     every load and ``kvckpt verify`` run."""
     with gc_paused():
         chk, doc, checkpoint_id, save_id = _decode_header(raw, where)
-        created_at = float(chk.get(doc, "created_at", float, int))
-        world_size = chk.get(doc, "world_size", int)
-        rank = chk.get(doc, "rank", int, optional=True)
-        if world_size < 1 or (rank is not None and not 0 <= rank < world_size):
-            raise chk.fail(f"world_size {world_size} / rank {rank} out of range")
+        created_at, world_size, rank = _decode_save(chk, doc)
         tensors: dict[str, dict[str, Any]] = {}
         for fqn, t in chk.get(doc, "tensors", dict).items():
             if type(t) is not dict:
@@ -671,6 +667,16 @@ def decode_summary(raw: bytes, *, where: str) -> dict[str, Any]:
         }
 
 
+def _decode_save(chk: _Checker, doc: dict[str, Any]) -> tuple[float, int, int | None]:
+    """A metadata value's commit time, world size and rank (None: saved by every rank), checked."""
+    created_at = float(chk.get(doc, "created_at", float, int))
+    world_size = chk.get(doc, "world_size", int)
+    rank = chk.get(doc, "rank", int, optional=True)
+    if world_size < 1 or (rank is not None and not 0 <= rank < world_size):
+        raise chk.fail(f"world_size {world_size} / rank {rank} out of range")
+    return created_at, world_size, rank
+
+
 def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
     import torch
     from torch.distributed.checkpoint.metadata import (
@@ -684,11 +690,7 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
     )
 
     chk, doc, checkpoint_id, save_id = _decode_header(raw, where)
-    created_at = float(chk.get(doc, "created_at", float, int))
-    world_size = chk.get(doc, "world_size", int)
-    rank = chk.get(doc, "rank", int, optional=True)
-    if world_size < 1 or (rank is not None and not 0 <= rank < world_size):
-        raise chk.fail(f"world_size {world_size} / rank {rank} out of range")
+    created_at, world_size, rank = _decode_save(chk, doc)
     if chk.get(doc, "byteorder", str, optional=True) not in (None, "little"):
         raise chk.fail("byteorder should be 'little'")
     if chk.get(doc, "checksum", str, optional=True) not in (None, CHECKSUM):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +31,21 @@ def redis_url(redis_server: RedisServer) -> str:
 @pytest.fixture
 def lmdb_url(tmp_path: Path) -> str:
     return f"lmdb://{tmp_path / 'store'}"
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
+    """Starts redis-servers of a test's own (``server("--maxmemory", "1mb")``), stopped after it."""
+    started: list[RedisServer] = []
+
+    def start(*extra: str) -> RedisServer:
+        srv = RedisServer(tmp_path / f"redis{len(started)}", *extra)
+        started.append(srv)
+        return srv
+
+    yield start
+    for srv in started:
+        srv.stop()
 
 
 @pytest.fixture(params=["lmdb", "redis"])

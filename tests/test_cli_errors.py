@@ -48,18 +48,6 @@ def save(url: str, cid: str) -> None:
     )
 
 
-@pytest.fixture
-def server(tmp_path: Path):
-    started: list[RedisServer] = []
-
-    def start(*extra: str) -> RedisServer:
-        srv = RedisServer(tmp_path / f"redis{len(started)}", *extra)
-        started.append(srv)
-        return srv
-
-    yield start
-    for srv in started:
-        srv.stop()
 
 
 # -- queries on a store that does not exist -------------------------------------------------

@@ -22,7 +22,6 @@ from kvckpt import (
 )
 from kvckpt.errors import StoreFullError
 from kvckpt.format import data_prefix, meta_key
-from kvckpt.testing import RedisServer
 
 MIB = 1 << 20
 
@@ -37,18 +36,6 @@ def raises_text(fn) -> str:
     return str(info.value)
 
 
-@pytest.fixture
-def server(tmp_path: Path):
-    started: list[RedisServer] = []
-
-    def start(*extra: str) -> RedisServer:
-        srv = RedisServer(tmp_path / f"redis{len(started)}", *extra)
-        started.append(srv)
-        return srv
-
-    yield start
-    for srv in started:
-        srv.stop()
 
 
 def test_evicting_policy_is_refused_unless_allowed(server) -> None:
