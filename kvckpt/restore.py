@@ -16,7 +16,9 @@ store holds whole. The coordinator sees every rank's read requests and every nod
 at once (``prepare_global_plan``) and gives each rank its route: the items it reads locally,
 the items it reads from the shared tiers, the items it sends and to whom, and the items it
 receives and from whom. Replicated items (DDP, the replica dimension of HSDP) are read from
-storage once and sent to every rank that needs them, instead of once per replica.
+storage once and sent to every rank that needs them, instead of once per replica; an item a
+node lacks crosses into it once, to one of its ranks, which passes it on to the others there
+(a second round of the exchange).
 
 A damaged or missing local copy (a checksum mismatch, a missing key, a store wiped meanwhile)
 sends the items it holds to the next tier, logged; the route itself does not change, so the
@@ -86,6 +88,13 @@ class Route:
     send: tuple[tuple[int, int], ...] = ()
     #: (item, rank) pairs: the items it receives, and from where
     receive: tuple[tuple[int, int], ...] = ()
+    #: (item, rank) pairs: items it received for its node, and the ranks of its node it passes
+    #: them on to (a second round), so that an item crosses into a node once, not once per rank
+    relay: tuple[tuple[int, int], ...] = ()
+    #: (item, rank) pairs: the items it receives in the second round, and from which rank
+    relayed: tuple[tuple[int, int], ...] = ()
+    #: bytes it receives from ranks of other nodes (the network, on a real cluster)
+    from_other_nodes: int = 0
 
 
 def plan_routes(
@@ -105,12 +114,23 @@ def plan_routes(
     shared: list[set[int]] = [set() for _ in range(world)]
     send: list[list[tuple[int, int]]] = [[] for _ in range(world)]
     receive: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    relay: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    relayed: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    remote = [0] * world  # bytes each rank receives from other nodes
     served = [0] * world  # bytes each rank sends
     wanted: dict[int, list[int]] = defaultdict(list)
     for rank, items in enumerate(requests):
         for item in items:
             wanted[item].append(rank)
     no_items = np.zeros(len(sizes), dtype=bool)
+
+    def deliver(item: int, source: int, to: int) -> None:
+        send[source].append((item, to))
+        receive[to].append((item, source))
+        served[source] += sizes[item]
+        if nodes[to] != nodes[source]:
+            remote[to] += sizes[item]
+
     for item in sorted(wanted):
         ranks = wanted[item]
         holders = {n for n in set(nodes) if held.get(n, no_items)[item]}
@@ -129,12 +149,31 @@ def plan_routes(
             source = min(far, key=lambda r: (served[r], r))
             shared[source].add(item)
             far.remove(source)
+        by_node: dict[str, list[int]] = defaultdict(list)
         for r in far:
-            send[source].append((item, r))
-            receive[r].append((item, source))
-            served[source] += sizes[item]
+            by_node[nodes[r]].append(r)
+        for node, there in by_node.items():
+            if node == nodes[source]:
+                for r in there:
+                    deliver(item, source, r)
+                continue
+            # one rank of the node receives it, and passes it on to the others there
+            landing = min(there, key=lambda r: (remote[r], r))
+            deliver(item, source, landing)
+            for r in there:
+                if r != landing:
+                    relay[landing].append((item, r))
+                    relayed[r].append((item, landing))
     return [
-        Route(tuple(sorted(local[r])), tuple(sorted(shared[r])), tuple(send[r]), tuple(receive[r]))
+        Route(
+            tuple(sorted(local[r])),
+            tuple(sorted(shared[r])),
+            tuple(send[r]),
+            tuple(receive[r]),
+            tuple(relay[r]),
+            tuple(relayed[r]),
+            remote[r],
+        )
         for r in range(world)
     ]
 
@@ -147,7 +186,10 @@ class RestoreStats:
         local: bytes read from this node's own store.
         shared: bytes read from each shared tier, by URL (password masked).
         peers: bytes received from other ranks (read by them from their nodes' stores or a
-            shared tier).
+            shared tier, or passed on by a rank of this node).
+        from_other_nodes: the part of ``peers`` that came from ranks of other nodes: each item
+            a node lacks crosses into it once, to one of its ranks, which passes it on to the
+            others there.
         sent: bytes this rank sent to other ranks.
         fallbacks: items that a tier could not serve whole and the next tier did.
         seconds: the time ``read_data`` took on this rank.
@@ -156,6 +198,7 @@ class RestoreStats:
     local: int = 0
     shared: dict[str, int] = field(default_factory=dict)
     peers: int = 0
+    from_other_nodes: int = 0
     sent: int = 0
     fallbacks: int = 0
     seconds: float = 0.0
@@ -594,31 +637,49 @@ class TieredStorageReader(KVStorageBase, StorageReader):
     ) -> None:
         """Send and receive the routed items; each received item goes straight into its
         target tensor where it can (a whole stored chunk into a contiguous CPU tensor)."""
-        if not route.send and not route.receive:
+        if not (route.send or route.receive or route.relay or route.relayed):
             return
-        ops = []
-        for item, peer in route.send:
-            if outgoing[item].numel():
-                ops.append(dist.P2POp(dist.isend, outgoing[item], peer, self._group, tag=item))
-                self.stats.sent += outgoing[item].numel()
-        landing: list[tuple[_ItemRead, torch.Tensor | None]] = []
-        for item, peer in route.receive:
-            read = self._item_read(record, indexes[item], wanted[item], planner)
-            nbytes = read.loc.nbytes
-            buffer = None
-            if read.dest is not None:
-                into = byte_tensor(read.dest) if nbytes else None
-            else:
-                into = buffer = torch.empty(nbytes, dtype=torch.uint8)
-            if into is not None and nbytes:
-                ops.append(dist.P2POp(dist.irecv, into, peer, self._group, tag=item))
-            landing.append((read, buffer))
-            self.stats.peers += nbytes
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        for read, buffer in landing:
+        landing: dict[int, tuple[_ItemRead, torch.Tensor | None, torch.Tensor | None]] = {}
+        self.stats.from_other_nodes += route.from_other_nodes
+
+        def receiving(pairs: tuple[tuple[int, int], ...]) -> list[Any]:
+            ops = []
+            for item, peer in pairs:
+                read = self._item_read(record, indexes[item], wanted[item], planner)
+                nbytes = read.loc.nbytes
+                buffer = None
+                if read.dest is not None:
+                    into = byte_tensor(read.dest) if nbytes else None
+                else:
+                    into = buffer = torch.empty(nbytes, dtype=torch.uint8)
+                if into is not None and nbytes:
+                    ops.append(dist.P2POp(dist.irecv, into, peer, self._group, tag=item))
+                landing[item] = (read, buffer, into)
+                self.stats.peers += nbytes
+            return ops
+
+        def sending(pairs: tuple[tuple[int, int], ...], source: dict[int, Any]) -> list[Any]:
+            ops = []
+            for item, peer in pairs:
+                tensor = source[item]
+                if tensor is not None and tensor.numel():
+                    ops.append(dist.P2POp(dist.isend, tensor, peer, self._group, tag=item))
+                    self.stats.sent += tensor.numel()
+            return ops
+
+        # Round 1: from each item's source; round 2: within a node, from the rank it landed on.
+        first = sending(route.send, outgoing) + receiving(route.receive)
+        self._run(first)
+        second = sending(route.relay, {i: into for i, (_, _, into) in landing.items()})
+        self._run(second + receiving(route.relayed))
+        for read, buffer, _ in landing.values():
             if buffer is None and read.dest is not None:
                 read.commit()
             else:
                 read.apply(byte_view(buffer) if buffer is not None else memoryview(b""))
+
+    @staticmethod
+    def _run(ops: list[Any]) -> None:
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()

@@ -132,6 +132,7 @@ def restore_worker(
                     "local": stats.local,
                     "shared": sum(stats.shared.values()),
                     "peers": stats.peers,
+                    "from_other_nodes": stats.from_other_nodes,
                     "sent": stats.sent,
                     "fallbacks": stats.fallbacks,
                     "served": served,

@@ -120,6 +120,7 @@ def test_gpu_benchmark_without_a_gpu_says_so() -> None:
         assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr
 
 
+@pytest.mark.timeout(600)  # eight 2-rank training jobs on two cores: about 300 s
 def test_goodput_smoke_run(tmp_path) -> None:
     """benchmarks/goodput.py end to end with a tiny model: interval calibration, time to first
     step, and a run with one SIGKILL per system, all reported (no timing asserted)."""

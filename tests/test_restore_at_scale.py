@@ -125,5 +125,11 @@ def test_a_new_world_size_reads_the_surviving_stores(
     doubled = _restore(tmp_path, redis_url, 4, 2, [("doubled", str(saved), "tiers")])["doubled"]
     assert _shared(doubled) == 0
     assert doubled[0]["served"] < _OVERHEAD
+    # an item a host lacks crosses into it once, then passes between its two ranks
+    for host in (0, 1):
+        ranks = doubled[2 * host : 2 * host + 2]
+        crossed = sum(s["from_other_nodes"] for s in ranks)
+        assert 0 < crossed <= _state_bytes() / 4 * 1.15  # half the replicated half, once
+        assert sum(s["peers"] for s in ranks) > crossed
     halved = _restore(tmp_path, redis_url, 1, 1, [("halved", str(saved), "tiers")])["halved"]
     assert 0 < _shared(halved) <= _state_bytes() / 2 * 1.05
