@@ -48,8 +48,6 @@ def save(url: str, cid: str) -> None:
     )
 
 
-
-
 # -- queries on a store that does not exist -------------------------------------------------
 
 

@@ -36,8 +36,6 @@ def raises_text(fn) -> str:
     return str(info.value)
 
 
-
-
 def test_evicting_policy_is_refused_unless_allowed(server) -> None:
     srv = server("--maxmemory-policy", "allkeys-lru", "--maxmemory", "1gb")
     text = raises_text(
