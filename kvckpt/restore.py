@@ -262,6 +262,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         self._renewals: list[Callable[[], None]] = []
         self._group: dist.ProcessGroup | None = None
         self._indexes: list[MetadataIndex] | None = None
+        self._positions: dict[MetadataIndex, int] = {}  # each item's place in ``_items()``
 
     @property
     def engine(self) -> Engine:  # type: ignore[override]  # KVStorageBase's, for messages
@@ -282,6 +283,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
             assert engine is not None
             reader = KVStorageReader(engine, checkpoint_id=self.checkpoint_id, **self.options)
             reader._record = self._record
+            reader._renew_lease = self._renew_leases  # between its batches
             self._readers[tier] = reader
         return self._readers[tier]
 
@@ -306,25 +308,32 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         checkpoint_id = self._require_id()
         self._release_leases()
         found: list[str] = []
-        for engine in self.engines:
+        chosen = None
+        for tier, engine in enumerate(self.engines):
             if engine is None:
                 continue
+            lease = contextlib.ExitStack()
             try:
                 # The lease comes first (KVStorageReader.read_metadata says why).
-                renew = self._leases.enter_context(read_lease(engine, checkpoint_id, self.lease))
+                renew = lease.enter_context(read_lease(engine, checkpoint_id, self.lease))
                 record = KVStorageReader(engine, checkpoint_id=checkpoint_id).read_record()
             except CheckpointNotFoundError:
+                lease.close()
                 found.append(f"{engine.url}: no checkpoint {checkpoint_id!r}")
                 continue
             except KVCheckpointError as e:
+                lease.close()
                 logger.warning("kvckpt restore skips %s: %s", engine.url, e)
                 found.append(f"{engine.url}: {e}")
                 continue
             if self.created_at is not None and record.created_at != self.created_at:
+                lease.close()
                 found.append(f"{engine.url}: another save of {checkpoint_id!r}")
                 continue
+            self._leases.enter_context(lease)
             self._renewals.append(renew)
             self._record, self._indexes, self._readers = record, None, {}
+            chosen = tier
             break
         if self._record is None:
             self._release_leases()
@@ -334,14 +343,15 @@ class TieredStorageReader(KVStorageBase, StorageReader):
                 + ": "
                 + "; ".join(found)
             )
-        # Shared tiers keep the data their metadata names while this load runs, too.
+        # The other shared tiers keep the data their metadata names while this load runs, too.
         for tier in self._shared():
             engine = self.engines[tier]
             assert engine is not None
-            with contextlib.suppress(KVCheckpointError):
-                self._renewals.append(
-                    self._leases.enter_context(read_lease(engine, checkpoint_id, self.lease))
-                )
+            if tier != chosen:
+                with contextlib.suppress(KVCheckpointError):
+                    self._renewals.append(
+                        self._leases.enter_context(read_lease(engine, checkpoint_id, self.lease))
+                    )
         metadata = self._record.metadata
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
@@ -381,6 +391,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
             self._indexes = sorted(
                 record.locations, key=lambda i: (i.fqn, tuple(i.offset or ()), i.index or 0)
             )
+            self._positions = {index: i for i, index in enumerate(self._indexes)}
         return self._indexes
 
     def _held(self, record: CheckpointRecord) -> np.ndarray:
@@ -424,7 +435,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
             )
         indexes = self._items()
         count = len(indexes)
-        positions = {index: i for i, index in enumerate(indexes)}
+        positions = self._positions
         held: dict[str, np.ndarray] = {}
         for report in reports:
             bits = np.unpackbits(np.frombuffer(report.held, dtype=np.uint8), count=count)
@@ -454,6 +465,11 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         fut.set_result(None)
         return fut
 
+    def _renew_leases(self) -> None:
+        """Renew this load's read leases (each when a third of its time has passed)."""
+        for renew in self._renewals:
+            renew()
+
     def _release_leases(self) -> None:
         self._renewals = []
         leases, self._leases = self._leases, contextlib.ExitStack()
@@ -465,9 +481,8 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         route: Route = plan.storage_data
         indexes = self._items()
         wanted: dict[int, list[ReadItem]] = defaultdict(list)
-        positions = {index: i for i, index in enumerate(indexes)}
         for req in plan.items:
-            wanted[positions[req.storage_index]].append(req)
+            wanted[self._positions[req.storage_index]].append(req)
         sending = {item for item, _ in route.send}
         outgoing: dict[int, torch.Tensor] = {}
         error: BaseException | None = None
@@ -486,6 +501,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         except BaseException as e:  # every rank must hear of it before the exchange
             error = e
         self._all_ok(error)
+        self._renew_leases()
         self._exchange(record, route, indexes, wanted, outgoing, planner)
 
     def _item_read(
@@ -540,8 +556,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         wanted: dict[int, list[ReadItem]],
         planner: LoadPlanner,
     ) -> None:
-        positions = {index: i for i, index in enumerate(self._items())}
-        reqs = [req for index in indexes for req in wanted[positions[index]]]
+        reqs = [req for index in indexes for req in wanted[self._positions[index]]]
         reader._read_all(record, LoadPlan(reqs), planner)
 
     def _failing(
