@@ -1,7 +1,20 @@
-"""Training time lost per failure, and goodput, for each checkpointing system in one run.
+"""Training time lost per failure, and goodput, for each checkpointing system, in the economy
+users train in.
 
-Runs ``examples/train_resume.py`` under ``torchrun`` (2 ranks, DDP, gloo on CPU; model plus
-AdamW, over 2 GiB of checkpointed state at the defaults) for each system:
+Runs ``examples/train_resume.py`` under ``torchrun`` for each system, in each economy
+(``--economy``, both by default, each labelled in every table):
+
+- ``accel``: an accelerator node, simulated: 2 ranks, each with ``--accel-state-gib`` (1 GiB) of
+  state of its own; a step waits ``--accel-step-seconds`` (1 s) while the host's cores stay
+  free, runs DDP's all-reduces (one per gradient bucket, of one element) and changes the state.
+  Left out: the device-to-host copy of a save and of a restore (PCIe), the gradients' bytes on
+  the interconnect, NCCL's start-up.
+- ``cpu``: 2 ranks of DDP and AdamW on the host's cores, which then have nothing to spare: every
+  byte a background save moves costs training time.
+- ``cuda`` (on a GPU machine; not in the default): a small transformer trained on the GPU, one
+  rank, saves staged into pinned host memory.
+
+Systems:
 
 - DCP ``FileSystemWriter`` on disk, the page cache dropped after each kill (a replaced node
   starts cold);
@@ -11,29 +24,33 @@ AdamW, over 2 GiB of checkpointed state at the defaults) for each system:
   replaced node), restoring through ``Tiers.prefetch()``.
 
 Every system stages its saves with ``kvckpt.background_stager()`` (DCP's own ``DefaultStager``
-set up for this host), so the systems differ only in where the bytes go. Three phases:
+set up for this host), so the systems differ only in where the bytes go. Per economy:
 
-1. **Interval.** Failure-free runs, the systems taking turns with a run that never checkpoints,
-   save every ``--calibrate-every`` steps, in each saving mode (``--modes``: ``async_save``
-   with ``kvckpt.background_stager()``, or a plain ``dcp.save``). After ``--calibrate-warmup``
-   saves (fresh memory, paid once), the overhead of one save is the extra time of the steps
-   the next ``--calibrate-saves`` saves span, less any wait for the previous save's upload
-   (which a longer interval would not have). Each system then uses its cheaper mode, at the
-   smallest interval whose overhead is at most ``--overhead`` (5%) of failure-free training
-   time. DCP's default ``async_save`` (its blocking copy) is measured too, for the blocking
-   comparison. That estimate is then checked by training at it (``verify``): a run saving at
-   the interval against a run that never saves, over the same steps; the interval moves in
-   proportion to the measured overhead (up while above 5%, down while well under) until the
-   smallest interval that passes is within 10% of the largest that fails.
+1. **Interval.** A failure-free run per system and saving mode (``async_save`` with
+   ``kvckpt.background_stager()``, or a plain ``dcp.save``; ``--cpu-modes`` / ``--accel-modes``),
+   taking turns with a run that never checkpoints, saving every ``--calibrate-every`` steps.
+   After ``--calibrate-warmup`` saves (fresh memory, paid once), the overhead of one save is
+   the extra time of the steps the next ``--calibrate-saves`` saves span, less any wait for the
+   previous save's upload. Each system uses its cheaper mode, at the smallest interval whose
+   estimated overhead is at most ``--overhead`` (5%) of training time; the estimate is then
+   **measured at the interval** (a run saving at it against a run that never saves). With
+   ``--search`` the interval then moves in proportion to the measured overhead until the
+   smallest interval that passes is within 10% of the largest that fails (``--verify-tries``).
 2. **Time to first step.** A fresh start that never checkpoints, against a start that restores
    ``Tiers``' newest checkpoint on a new node, with and without ``prefetch()``; taking turns.
-3. **Failures.** Each system trains ``--steps`` steps at its interval while the same SIGKILL
-   schedule (``--kills``, seconds after launch) kills a rank; torchrun restarts the job. Per
-   failure: *lost time* = kill -> the job is back at the step it had reached, split into
-   relaunch (kill -> the restore starts), restore, and recompute. *Goodput* = failure-free time
-   (the never-checkpointing run) / this run's time.
+3. **Failures.** Each system trains at its interval while a rank is SIGKILLed three times
+   (``--kills``: seconds after launch, the same for every system; a kill waits until the job
+   is back from the one before); torchrun restarts the job. A run that never checkpoints is
+   killed the same way, for the relaunch that no checkpointing system can avoid. Per failure:
+   *lost* = kill -> the job is back at the step it had reached, split into relaunch (kill ->
+   the restore starts), restore and recompute. *Expected lost* puts half an interval of steps
+   in the recompute's place (three kills land where they land). *Checkpoint-attributable* =
+   restore + that recompute + what the system adds to relaunch over the never-checkpointing
+   run's (a prefetch competing with start-up, say). *Goodput* = failure-free time (the
+   never-checkpointing run) / this run's time.
 
-    python benchmarks/goodput.py --out docs/benchmark
+    python benchmarks/goodput.py --out docs/benchmark          # both economies, ~30 min
+    python benchmarks/goodput.py --economy cuda --out docs/benchmark/h100   # on a GPU machine
 
 Check ``/proc/loadavg`` first: the machine must be otherwise idle.
 """
@@ -76,11 +93,70 @@ NAMES = {
     "redis": "kvckpt Redis",
     "tiers": "kvckpt Tiers, local store wiped (node replaced)",
 }
+SHORT = {
+    "dcp-disk": "DCP disk, cold cache",
+    "dcp-shm": "DCP /dev/shm",
+    "lmdb": "kvckpt LMDB",
+    "redis": "kvckpt Redis",
+    "tiers": "kvckpt Tiers, node replaced",
+}
 MODES = {
     "background": "async_save, kvckpt.background_stager()",
     "sync": "dcp.save",
     "blocking": "async_save, DCP's default staging",
 }
+
+
+@dataclass
+class Economy:
+    """What trains, as ``examples/train_resume.py`` arguments, and how it is labelled."""
+
+    name: str
+    label: str
+    train_args: list[str]
+    modes: list[str]
+    nproc: int = 2
+    state_gib: float = 0.0
+
+
+def economies(args: argparse.Namespace) -> dict[str, Economy]:
+    width, layers = args.cpu_width, args.cpu_layers
+    params = sum(p.numel() for p in model_for(width, layers).parameters())
+    cpu_gib = params * 4 * 3 / 2**30  # weights + AdamW's two moments, fp32, on every rank
+    cuda_gib = args.cuda_layers * 12 * args.cuda_width**2 * 4 * 3 / 2**30  # about
+    return {
+        "accel": Economy(
+            "accel",
+            f"accel (simulated): 2 ranks, {args.accel_state_gib:g} GiB of state each, "
+            f"{args.accel_step_seconds:g} s steps off the host's cores",
+            [
+                *("--economy", "accel", "--state-gib", str(args.accel_state_gib)),
+                *("--step-seconds", str(args.accel_step_seconds)),
+            ],
+            args.accel_modes.split(","),
+            state_gib=args.accel_state_gib,
+        ),
+        "cpu": Economy(
+            "cpu",
+            f"cpu: 2 ranks of DDP + AdamW on the host's cores, {params / 1e6:.0f}M parameters, "
+            f"{cpu_gib:.2f} GiB of state on each rank (replicated)",
+            ["--width", str(width), "--layers", str(layers), "--batch", str(args.cpu_batch)],
+            args.cpu_modes.split(","),
+            state_gib=cpu_gib,
+        ),
+        "cuda": Economy(
+            "cuda",
+            f"cuda: a transformer ({args.cuda_layers} layers, width {args.cuda_width}) trained "
+            f"on one GPU, about {cuda_gib:.2f} GiB of state",
+            [
+                *("--economy", "cuda", "--width", str(args.cuda_width)),
+                *("--layers", str(args.cuda_layers), "--batch", str(args.cuda_batch)),
+            ],
+            args.accel_modes.split(","),
+            nproc=1,
+            state_gib=cuda_gib,
+        ),
+    }
 
 
 @dataclass
@@ -115,24 +191,22 @@ def events_of(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def launch(places: Places, system: str, args: argparse.Namespace, *extra: str) -> tuple:
+def launch(
+    places: Places, econ: Economy, system: str, args: argparse.Namespace, *extra: str
+) -> tuple:
     places.runs += 1
     events = places.work / f"events-{places.runs}.jsonl"
     cmd = torchrun_command(
         EXAMPLE,
         *places.store_args(system),
-        "--width",
-        str(args.width),
-        "--layers",
-        str(args.layers),
-        "--batch",
-        str(args.batch),
+        *econ.train_args,
         "--keep-last",
         str(args.keep_last),
         "--events",
         str(events),
         *extra,
-        max_restarts=3 if args.kills == "auto" else len(args.kills),
+        nproc=econ.nproc,
+        max_restarts=len(args.kills) if args.kills != "auto" else 3,
     )
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     log = open(places.work / f"run-{places.runs}.log", "w")  # noqa: SIM115
@@ -148,9 +222,11 @@ def finish(proc: subprocess.Popen, log: Any, what: str) -> None:
         raise SystemExit(f"{what} failed (rc {rc}); see {log.name}\n{tail}")
 
 
-def run_to_end(places: Places, system: str, args: argparse.Namespace, *extra: str) -> list[dict]:
-    proc, events, log = launch(places, system, args, *extra)
-    finish(proc, log, f"{system} {' '.join(extra)}")
+def run_to_end(
+    places: Places, econ: Economy, system: str, args: argparse.Namespace, *extra: str
+) -> list[dict]:
+    proc, events, log = launch(places, econ, system, args, *extra)
+    finish(proc, log, f"{econ.name} {system} {' '.join(extra)}")
     return events_of(events)
 
 
@@ -162,9 +238,9 @@ def step_times(events: list[dict]) -> dict[int, float]:
 # -- phase 1: the interval -------------------------------------------------------------------
 
 
-def calibrate(places: Places, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Each system's overhead per save in each saving mode (``--modes``), and the interval and
-    mode that it then checkpoints at: the mode with the least overhead (each at its best)."""
+def calibrate(places: Places, econ: Economy, args: argparse.Namespace) -> dict[str, Any]:
+    """Each system's overhead per save in each of the economy's saving modes, and the interval
+    and mode that it then checkpoints at: the mode with the least overhead (each at its best)."""
     every, saves, warm = args.calibrate_every, args.calibrate_saves, args.calibrate_warmup
     # The first saves are the warm-up: their staging copy and store pages are fresh memory,
     # paid once per process (staging) or once per store (LMDB's pages, which a restarted job
@@ -172,11 +248,9 @@ def calibrate(places: Places, args: argparse.Namespace) -> dict[str, dict[str, A
     # background work overlaps: the steady state a long job is in.
     steps = every * (warm + saves + 1)
     window = (every * (warm + 1), steps)
-    cases = [
-        "none",
-        *(f"{system}/{mode}" for system in args.systems for mode in args.modes),
-        "dcp-disk/blocking",  # DCP's default async_save: the blocking comparison
-    ]
+    cases = ["none", *(f"{system}/{mode}" for system in args.systems for mode in econ.modes)]
+    if args.blocking and "dcp-disk" in args.systems:
+        cases.append("dcp-disk/blocking")  # DCP's default async_save: the blocking comparison
     cases = list(dict.fromkeys(cases))
     spans: dict[str, list[float]] = {c: [] for c in cases}
     blocking: dict[str, list[float]] = {c: [] for c in cases}
@@ -187,7 +261,7 @@ def calibrate(places: Places, args: argparse.Namespace) -> dict[str, dict[str, A
             places.clear()
             wait_quiet(args)
             how = ["--every", "0"] if case == "none" else ["--every", str(every), "--staging", mode]
-            ev = run_to_end(places, system, args, "--steps", str(steps), *how)
+            ev = run_to_end(places, econ, system, args, "--steps", str(steps), *how)
             t = step_times(ev)
             spans[case].append(t[window[1]] - t[window[0]])
             measured = [
@@ -195,7 +269,7 @@ def calibrate(places: Places, args: argparse.Namespace) -> dict[str, dict[str, A
             ]
             blocking[case] += [e["blocking_seconds"] for e in measured]
             waiting[case] += [e["waiting_for_previous_seconds"] for e in measured]
-            print(f"calibrate {case}: {spans[case][-1]:.2f} s for steps {window}", flush=True)
+            print(f"[{econ.name}] calibrate {case}: {spans[case][-1]:.2f} s", flush=True)
     base = statistics.median(spans["none"])
     step = base / (window[1] - window[0])
     out: dict[str, dict[str, Any]] = {"none": {"step_seconds": step, "spans": spans["none"]}}
@@ -214,28 +288,30 @@ def calibrate(places: Places, args: argparse.Namespace) -> dict[str, dict[str, A
             "blocking_max": max(blocking[case]),
             "blocking": blocking[case],
         }
-        print(f"{case}: {per_save:.2f} s per save", flush=True)
+        print(f"[{econ.name}] {case}: {per_save:.2f} s per save", flush=True)
     for system in args.systems:
         best = min(
-            (f"{system}/{m}" for m in args.modes), key=lambda c: out[c]["overhead_per_save_seconds"]
+            (f"{system}/{m}" for m in econ.modes), key=lambda c: out[c]["overhead_per_save_seconds"]
         )
         out[system] = {**out[best], "mode": best.partition("/")[2]}
     return out
 
 
-def verify(places: Places, args: argparse.Namespace, calibration: dict[str, Any]) -> None:
-    """Find each system's smallest interval whose overhead is at most ``--overhead``, by
-    training at it: a run saving at the interval against a run that never checkpoints, over
-    the same number of steps (at least ``--verify-steps``, and ``--calibrate-saves`` saves),
-    the two taking turns. The search starts at the estimate and moves in proportion to the
+def verify(
+    places: Places, econ: Economy, args: argparse.Namespace, calibration: dict[str, Any]
+) -> None:
+    """Measure each system's overhead at its estimated interval: a run saving at the interval
+    against a run that never checkpoints, over the same number of steps (at least
+    ``--verify-steps``, and ``--calibrate-saves`` saves), the two taking turns. With
+    ``--search`` (``--verify-tries`` above 1) the interval then moves in proportion to the
     measured overhead (``next_interval``), up while above the limit, down while well under it,
-    until the smallest passing interval is within 10% of the largest failing one, or after
-    ``--verify-tries`` intervals.
+    until the smallest passing interval is within 10% of the largest failing one.
 
     The estimate times saves ``--calibrate-every`` steps apart and leaves out waits for the
     previous upload; at a shorter interval a save's background work can still be running at
     the next save, or compete with training for the cores. Only a run at the interval itself
-    shows that, so the failure runs use the interval this phase ends with.
+    shows that. An interval measured above the limit on the last try is raised in proportion
+    (not measured again; the report says so).
 
     The ``--calibrate-warmup`` saves that pay for fresh memory come first,
     ``--calibrate-every`` steps apart when they fit before the first save at the interval
@@ -266,11 +342,12 @@ def verify(places: Places, args: argparse.Namespace, calibration: dict[str, Any]
                     how = ["--every", str(interval), "--staging", chosen["mode"]]
                     how += ["--also-save-at", also] if also else []
                 last = first + (end - start)
-                t = step_times(run_to_end(places, case, args, "--steps", str(last), *how))
+                ev = run_to_end(places, econ, case, args, "--steps", str(last), *how)
+                t = step_times(ev)
                 spans[case] = t[last] - t[first]
             overhead = spans[system] / spans["none"] - 1
             tries.append({"interval": interval, "steps": [start, end], "overhead": overhead})
-            print(f"verify {system} every {interval}: overhead {overhead:.1%}", flush=True)
+            print(f"[{econ.name}] verify {system} every {interval}: {overhead:.1%}", flush=True)
             interval = next_interval(tries, args.overhead)
         passed = [t["interval"] for t in tries if t["overhead"] <= args.overhead]
         chosen["estimated_interval"] = chosen["interval"]
@@ -281,7 +358,6 @@ def verify(places: Places, args: argparse.Namespace, calibration: dict[str, Any]
                 t["overhead"] for t in tries if t["interval"] == min(passed)
             )
         else:  # not measured at the last raise: said in the report
-            print(f"{system}: above {args.overhead:.0%} after {len(tries)} tries", flush=True)
             chosen["interval"] = next_interval(tries, args.overhead, searching=False)
             chosen["measured_overhead"] = None
 
@@ -313,26 +389,27 @@ def next_interval(tries: list[dict[str, Any]], limit: float, searching: bool = T
 
 # -- phase 2: time to first step -------------------------------------------------------------
 
+FRESH = "fresh start, no checkpoint"
+PREFETCH = "Tiers restore on a new node, prefetch"
+NO_PREFETCH = "Tiers restore on a new node, no prefetch"
 
-def first_steps(places: Places, args: argparse.Namespace) -> dict[str, list[float]]:
+
+def first_steps(places: Places, econ: Economy, args: argparse.Namespace) -> dict[str, list[float]]:
     """Seconds from process start to the end of the first training step."""
     places.clear()
-    run_to_end(places, "tiers", args, "--steps", "2", "--every", "2")  # a checkpoint to restore
+    run_to_end(places, econ, "tiers", args, "--steps", "2", "--every", "2")  # one to restore
     local = places.shm / "local"
     kept = places.shm / "local-kept"  # the node-local copy, for the start whose node survived
     sparse_copy(local, kept)
     cases = {
-        "fresh start, no checkpoint": ("none", ["--steps", "1", "--every", "0"]),
+        FRESH: ("none", ["--steps", "1", "--every", "0"]),
         # What a prefetch that cost nothing would leave: the checkpoint already in local memory.
         "LMDB restore, the node's store survived (nothing to fetch)": (
             "lmdb",
             ["--steps", "3", "--every", "0"],
         ),
-        "Tiers restore on a new node, prefetch": ("tiers", ["--steps", "3", "--every", "0"]),
-        "Tiers restore on a new node, no prefetch": (
-            "tiers",
-            ["--steps", "3", "--every", "0", "--no-prefetch"],
-        ),
+        PREFETCH: ("tiers", ["--steps", "3", "--every", "0"]),
+        NO_PREFETCH: ("tiers", ["--steps", "3", "--every", "0", "--no-prefetch"]),
     }
     out: dict[str, list[float]] = {c: [] for c in cases}
     for rnd in range(args.repeats):
@@ -344,11 +421,12 @@ def first_steps(places: Places, args: argparse.Namespace) -> dict[str, list[floa
             if system == "lmdb":
                 sparse_copy(kept, local)  # ... or the same node, its store intact
             wait_quiet(args)
-            ev = run_to_end(places, system, args, *extra)
+            ev = run_to_end(places, econ, system, args, *extra)
             start = next(e["process_start"] for e in ev if e["event"] == "start")
             first = min(e["t"] for e in ev if e["event"] == "loss")
             out[name].append(first - start)
-            print(f"first step, {name}: {out[name][-1]:.2f} s", flush=True)
+            print(f"[{econ.name}] first step, {name}: {out[name][-1]:.2f} s", flush=True)
+    shutil.rmtree(kept, ignore_errors=True)
     return out
 
 
@@ -385,63 +463,85 @@ def _state(pid: int) -> str:
 
 
 def with_failures(
-    places: Places, system: str, interval: int, mode: str, args: argparse.Namespace
+    places: Places,
+    econ: Economy,
+    system: str,
+    interval: int,
+    mode: str,
+    args: argparse.Namespace,
 ) -> dict[str, Any]:
+    """Train at ``interval`` and SIGKILL rank 0 at each of ``args.kills`` (seconds after
+    launch); a kill waits until the job is back at the step the previous kill interrupted.
+    ``system`` "none" never checkpoints: its failures measure relaunch alone."""
     places.clear()
     wait_quiet(args)
-    extra = ["--steps", str(args.steps), "--every", str(interval), "--staging", mode]
+    extra = ["--steps", str(args.steps), "--staging", mode]
+    extra += ["--every", str(interval) if system != "none" else "0"]
     if system == "tiers":
         extra += ["--wipe-on-restart", str(places.shm / "local")]
     launched = time.time()
-    proc, events, log = launch(places, system, args, *extra)
+    proc, events, log = launch(places, econ, system, args, *extra)
     kills: list[float] = []
+    reached: list[int] = []
     for attempt, at in enumerate(args.kills):
-        while time.time() < launched + at:
-            time.sleep(0.01)
-        # rank 0 of the running attempt (its start event names its pid)
-        while True:
-            starts = [e for e in events_of(events) if e["event"] == "start"]
-            if starts and starts[-1]["attempt"] == attempt and alive(starts[-1]["pid"]):
+        while True:  # the running attempt, back where the previous kill found it
+            ev = events_of(events)
+            starts = [e for e in ev if e["event"] == "start" and e["attempt"] == attempt]
+            if system == "none":  # a step into each attempt: relaunch is all it measures
+                due = any(e["event"] == "loss" and e["attempt"] == attempt for e in ev)
+            else:
+                steps = [e["step"] for e in ev if e["event"] == "loss" and e["attempt"] == attempt]
+                back = not reached or max(steps, default=-1) >= reached[-1]
+                due = back and time.time() >= launched + at
+            if starts and due and alive(starts[-1]["pid"]):
                 break
             if proc.poll() is not None:
-                raise SystemExit(f"{system}: the job ended before kill {attempt + 1}")
+                raise SystemExit(f"[{econ.name}] {system}: the job ended before kill {attempt + 1}")
             time.sleep(0.01)
         kills.append(time.time())
         os.kill(starts[-1]["pid"], signal.SIGKILL)
+        done = [e for e in ev if e["event"] == "loss" and e["attempt"] == attempt]
+        reached.append(max((e["step"] for e in done), default=0))
         if system == "dcp-disk":
             drop_page_cache()
-    finish(proc, log, f"{system} with failures")
+    if system == "none":  # nothing more to learn from it
+        while not [e for e in events_of(events) if e["event"] == "ready"][len(kills) :]:
+            time.sleep(0.05)
+        proc.terminate()
+        proc.wait()
+        log.close()
+    else:
+        finish(proc, log, f"{econ.name} {system} with failures")
     ended = time.time()
     ev = events_of(events)
     failures = []
     for attempt, killed in enumerate(kills):
         before = [e for e in ev if e["event"] == "loss" and e["attempt"] == attempt]
-        reached = max((e["step"] for e in before if e["t"] < killed), default=0)
+        step_reached = max((e["step"] for e in before if e["t"] < killed), default=0)
         (ready,) = [e for e in ev if e["event"] == "ready" and e["attempt"] == attempt + 1]
-        back = [
-            e["t"]
-            for e in ev
-            if e["event"] == "loss" and e["attempt"] == attempt + 1 and e["step"] >= reached
-        ]
-        if not back:  # killed again before it got back: a schedule too tight for this job
-            raise SystemExit(
-                f"{system}: kill {attempt + 2} came before the job recovered from kill "
-                f"{attempt + 1}; space --kills further apart"
-            )
-        resumed = [e for e in ev if e["event"] == "resume" and e["attempt"] == attempt + 1]
-        failures.append(
-            {
-                "killed_at": killed - launched,
-                "step_reached": reached,
-                "resumed_from_step": ready["step"],
+        failure = {
+            "killed_at": killed - launched,
+            "step_reached": step_reached,
+            "resumed_from_step": ready["step"],
+            "relaunch": ready["restore_start"] - killed,
+        }
+        if system != "none":
+            back = [
+                e["t"]
+                for e in ev
+                if e["event"] == "loss"
+                and e["attempt"] == attempt + 1
+                and e["step"] >= step_reached
+            ]
+            resumed = [e for e in ev if e["event"] == "resume" and e["attempt"] == attempt + 1]
+            failure |= {
                 "tier": resumed[0]["tier"] if resumed else None,
-                "relaunch": ready["restore_start"] - killed,
                 "restore": ready["restore_end"] - ready["restore_start"],
                 "load": resumed[0]["load_seconds"] if resumed else 0.0,
                 "recompute": min(back) - ready["restore_end"],
                 "lost": min(back) - killed,
             }
-        )
+        failures.append(failure)
     saves = [e["blocking_seconds"] for e in ev if e["event"] == "save"]
     return {
         "interval": interval,
@@ -453,16 +553,18 @@ def with_failures(
     }
 
 
-def schedule(args: argparse.Namespace, calibration: dict[str, dict[str, Any]]) -> None:
-    """Three kills, the same for every system, spaced by the longest interval's worth of steps
-    plus 45 s (relaunch and restore), so that each system is back where it was before the next
-    kill; and enough steps that the job is still training at the third."""
+def schedule(
+    args: argparse.Namespace, calibration: dict[str, Any], firsts: dict[str, list[float]]
+) -> tuple[list[float], int]:
+    """Three kills, the same for every system, spaced by the longest interval's worth of
+    steps plus three times the slowest time to first step (relaunch and restore); and enough
+    steps that the job is still training after the third."""
     step = calibration["none"]["step_seconds"]
     longest = max(calibration[s]["interval"] for s in args.systems)
-    spacing = math.ceil(longest * step + 45)
-    args.kills = [float(spacing * i) for i in (1, 2, 3)]
-    args.steps = max(args.steps, math.ceil(3.5 * spacing / step))
-    print(f"kills at {args.kills} s, {args.steps} steps", flush=True)
+    slowest = max(max(v) for v in firsts.values())
+    spacing = math.ceil(longest * step + max(10.0, 3 * slowest))
+    kills = [float(spacing * i) for i in (1, 2, 3)]
+    return kills, max(args.steps, math.ceil(3.6 * spacing / step))
 
 
 def busy_fraction(seconds: float = 1.0) -> float:
@@ -480,10 +582,10 @@ def busy_fraction(seconds: float = 1.0) -> float:
 
 def wait_quiet(args: argparse.Namespace) -> None:
     """Before a timed run: wait (up to a minute) until the machine is at most ``--max-busy``
-    busy over a second, so a run is not disturbed by other work. The load average would lag
-    behind the previous run of this benchmark by minutes."""
+    busy over half a second, so a run is not disturbed by other work. The load average would
+    lag behind the previous run of this benchmark by minutes."""
     deadline = time.time() + 60
-    while (busy := busy_fraction()) > args.max_busy:
+    while (busy := busy_fraction(0.5)) > args.max_busy:
         if time.time() > deadline:
             print(f"machine still {busy:.0%} busy; going on", flush=True)
             return
@@ -492,36 +594,38 @@ def wait_quiet(args: argparse.Namespace) -> None:
 # -- report ----------------------------------------------------------------------------------
 
 
+def summary(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per system: medians of each part of a failure, the expected loss, the checkpoint-
+    attributable loss and goodput (``lost``, ``expected``, ``attributable`` in seconds)."""
+    cal, runs = results["calibration"], results["failures"]
+    step = cal["none"]["step_seconds"]
+    base = statistics.median(f["relaunch"] for f in results["relaunch_alone"]["failures"])
+    out = {}
+    for system, r in runs.items():
+        parts = {
+            part: statistics.median(f[part] for f in r["failures"])
+            for part in ("relaunch", "restore", "recompute", "lost", "load")
+        }
+        recompute = r["interval"] / 2 * step
+        out[system] = {
+            **parts,
+            "lost_max": max(f["lost"] for f in r["failures"]),
+            "expected": parts["relaunch"] + parts["restore"] + recompute,
+            "attributable": parts["relaunch"] - base + parts["restore"] + recompute,
+            "added_to_relaunch": parts["relaunch"] - base,
+            "goodput": results["failure_free_seconds"] / r["seconds"],
+        }
+    return out
+
+
 def table(results: dict[str, Any]) -> str:
-    cal, runs, firsts = results["calibration"], results["failures"], results["first_step"]
-    failure_free = results["failure_free_seconds"]
+    cal, runs = results["calibration"], results["failures"]
+    sums = summary(results)
 
-    def median(system: str, part: str) -> float:
-        return statistics.median(f[part] for f in runs[system]["failures"])
-
-    def expected(system: str) -> float:
-        """Lost time with the recompute a failure at a random moment costs on average: half
-        an interval of steps (three kills land where they land)."""
-        step = cal["none"]["step_seconds"]
-        return (
-            median(system, "relaunch")
-            + median(system, "restore")
-            + runs[system]["interval"] / 2 * step
-        )
-
-    def versus(system: str, value: Any) -> str:
-        if "dcp-disk" not in runs or not value("dcp-disk"):
+    def versus(system: str, key: str) -> str:
+        if "dcp-disk" not in sums or not sums["dcp-disk"][key]:
             return "-"
-        return f"{value(system) / value('dcp-disk'):.2f}"
-
-    lines = [
-        "| system | saves with | interval (steps) (estimate; measured overhead at each) | "
-        "overhead per save (s) | overhead at the interval "
-        "| blocking per save, median / max (s) | lost per failure, median / max (s) "
-        "| relaunch / restore / recompute (s) | lost, expected (s) | dcp.load (s) "
-        "| lost / DCP disk, measured / expected | dcp.load / DCP disk | goodput |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        return f"{sums[system][key] / sums['dcp-disk'][key]:.2f}"
 
     def measured(system: str) -> tuple[str, str]:
         c = cal[system]
@@ -532,34 +636,112 @@ def table(results: dict[str, Any]) -> str:
             "not measured" if overhead is None else f"{overhead:.1%}",
         )
 
+    rows = []
     for system, r in runs.items():
+        s = sums[system]
         tried, overhead = measured(system)
-        lost = versus(system, lambda s: median(s, "lost"))
-        lost_expected = versus(system, expected)
-        lines.append(
-            f"| {NAMES[system]} | {MODES[r['mode']]} | {r['interval']} ({tried}) | "
-            f"{cal[system]['overhead_per_save_seconds']:.2f} | {overhead} | "
-            f"{r['blocking_median']:.3f} / {r['blocking_max']:.3f} | "
-            f"{median(system, 'lost'):.1f} / {max(f['lost'] for f in r['failures']):.1f} | "
-            f"{median(system, 'relaunch'):.1f} / "
-            f"{median(system, 'restore'):.2f} / {median(system, 'recompute'):.1f} | "
-            f"{expected(system):.1f} | {median(system, 'load'):.2f} | {lost} / {lost_expected} | "
-            f"{versus(system, lambda s: median(s, 'load'))} | "
-            f"{failure_free / r['seconds']:.2f} |"
-        )
-    lines += [
-        "",
-        "| system | saves with | overhead per save (s) | blocking per save, median / max (s) |",
-        "|---|---|---|---|",
-    ]
-    for case, c in cal.items():
-        if "/" in case:
-            system, _, mode = case.partition("/")
-            lines.append(
-                f"| {NAMES[system]} | {MODES[mode]} | {c['overhead_per_save_seconds']:.2f} | "
-                f"{c['blocking_median']:.3f} / {c['blocking_max']:.3f} |"
+        rows.append(
+            (
+                NAMES[system],
+                MODES[r["mode"]],
+                f"{r['interval']} ({tried})",
+                f"{cal[system]['overhead_per_save_seconds']:.2f}",
+                overhead,
+                f"{r['blocking_median']:.3f} / {r['blocking_max']:.3f}",
+                f"{s['lost']:.1f} / {s['lost_max']:.1f}",
+                f"{s['relaunch']:.1f} / {s['restore']:.2f} / {s['recompute']:.1f}",
+                f"{s['expected']:.1f}",
+                f"{s['attributable']:.1f}",
+                f"{versus(system, 'lost')} / {versus(system, 'expected')} / "
+                f"{versus(system, 'attributable')}",
+                f"{s['load']:.2f}",
+                f"{s['goodput']:.2f}",
             )
-    return "\n".join([*lines, "", first_step_table(firsts)])
+        )
+    main = markdown_table(
+        (
+            "system",
+            "saves with",
+            "interval (steps) (estimate; measured overhead at each)",
+            "overhead per save (s)",
+            "overhead at the interval",
+            "blocking per save, median / max (s)",
+            "lost per failure, median / max (s)",
+            "relaunch / restore / recompute (s)",
+            "lost, expected (s)",
+            "checkpoint-attributable, expected (s)",
+            "/ DCP disk: lost / expected / attributable",
+            "dcp.load (s)",
+            "goodput",
+        ),
+        rows,
+    )
+    modes = markdown_table(
+        ("system", "saves with", "overhead per save (s)", "blocking per save, median / max (s)"),
+        (
+            (
+                NAMES[case.partition("/")[0]],
+                MODES[case.partition("/")[2]],
+                f"{c['overhead_per_save_seconds']:.2f}",
+                f"{c['blocking_median']:.3f} / {c['blocking_max']:.3f}",
+            )
+            for case, c in cal.items()
+            if "/" in case
+        ),
+    )
+    base = statistics.median(f["relaunch"] for f in results["relaunch_alone"]["failures"])
+    return "\n\n".join(
+        [
+            f"**{results['label']}**",
+            main,
+            f"Relaunch of the job that never checkpoints (the part no system can avoid): "
+            f"{base:.2f} s, median of {len(results['relaunch_alone']['failures'])}; "
+            f"failure-free time {results['failure_free_seconds']:.1f} s; kills at "
+            f"{', '.join(f'{k:g}' for k in results['kills'])} s.",
+            modes,
+            first_step_table(results["first_step"]),
+        ]
+    )
+
+
+def side_by_side(all_results: dict[str, Any]) -> str:
+    """The headline: each system in each economy, expected loss and checkpoint-attributable
+    loss per failure, and the ratio to DCP on disk with a cold cache."""
+    names = list(all_results)
+    sums = {e: summary(r) for e, r in all_results.items()}
+    systems = list(dict.fromkeys(s for r in all_results.values() for s in r["failures"]))
+
+    def cell(e: str, system: str) -> str:
+        s, d = sums[e].get(system), sums[e].get("dcp-disk")
+        if s is None:
+            return "-"
+        r = all_results[e]["failures"][system]["interval"]
+        ratio = (
+            f" ({s['expected'] / d['expected']:.2f}x; {s['attributable'] / d['attributable']:.2f}x)"
+            if d and system != "dcp-disk" and d["attributable"] > 0
+            else ""
+        )
+        return (
+            f"every {r}; {s['expected']:.1f} s / {s['attributable']:.1f} s{ratio}; "
+            f"goodput {s['goodput']:.2f}"
+        )
+
+    return markdown_table(
+        ("system", *(f"{e}: interval; lost expected / checkpoint-attributable" for e in names)),
+        ((SHORT[system], *(cell(e, system) for e in names)) for system in systems),
+    )
+
+
+def first_step_table(firsts: dict[str, list[float]]) -> str:
+    fresh = statistics.median(firsts[FRESH])
+    return markdown_table(
+        ("start", "time to first step (s), median / max", "/ fresh start"),
+        (
+            (name, f"{med:.2f} / {max(v):.2f}", f"{med / fresh:.2f}")
+            for name, v in firsts.items()
+            for med in [statistics.median(v)]
+        ),
+    )
 
 
 def interval_table(cal: dict[str, Any], systems: list[str]) -> str:
@@ -579,51 +761,80 @@ def interval_table(cal: dict[str, Any], systems: list[str]) -> str:
     )
 
 
-def first_step_table(firsts: dict[str, list[float]]) -> str:
-    fresh = statistics.median(firsts["fresh start, no checkpoint"])
-    return markdown_table(
-        ("start", "time to first step (s), median / max", "/ fresh start"),
-        (
-            (name, f"{med:.2f} / {max(v):.2f}", f"{med / fresh:.2f}")
-            for name, v in firsts.items()
-            for med in [statistics.median(v)]
-        ),
-    )
+def chart(all_results: dict[str, Any], path: Path) -> None:
+    rows = len(all_results)
+    shape = {"nrows": rows, "ncols": 2, "figsize": (12, 3.6 * rows), "squeeze": False}
+    shape["gridspec_kw"] = {"width_ratios": [3, 1.2]}
+    with figure(path, **shape) as (_, axes):
+        for (ax, gx), (economy, results) in zip(axes, all_results.items(), strict=True):
+            sums = summary(results)
+            names = [SHORT[s] for s in sums]
+            parts = ["relaunch", "restore", "recompute"]
+            bottom = [0.0] * len(sums)
+            for part, colour in zip(parts, ["#999999", "#4477aa", "#ee6677"], strict=True):
+                values = [s[part] for s in sums.values()]
+                ax.barh(names, values, left=bottom, color=colour, label=part)
+                bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+            ax.invert_yaxis()
+            ax.set_title(f"{economy}: training time lost per failure, median (s)", fontsize=10)
+            ax.legend(loc="lower right")
+            gx.barh(names, [s["goodput"] for s in sums.values()], color="#228833")
+            gx.invert_yaxis()
+            gx.set_yticklabels([])
+            gx.set_xlim(0, 1)
+            gx.set_title("goodput", fontsize=10)
 
 
-def chart(results: dict[str, Any], path: Path) -> None:
-    runs = results["failures"]
-    names = [
-        NAMES[s].split(",")[0] + ("" if "," not in NAMES[s] else "\n" + NAMES[s].split(", ", 1)[1])
-        for s in runs
-    ]
-    parts = ["relaunch", "restore", "recompute"]
-    shape = {"ncols": 2, "figsize": (12, 4.5), "gridspec_kw": {"width_ratios": [3, 1.2]}}
-    with figure(path, **shape) as (_, (ax, gx)):
-        bottom = [0.0] * len(runs)
-        for part, colour in zip(parts, ["#999999", "#4477aa", "#ee6677"], strict=True):
-            values = [statistics.median(f[part] for f in r["failures"]) for r in runs.values()]
-            ax.barh(names, values, left=bottom, color=colour, label=part)
-            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-        ax.invert_yaxis()
-        ax.set_xlabel("training time lost per failure, median (s)")
-        ax.legend(loc="upper right")
-        goodput = [results["failure_free_seconds"] / r["seconds"] for r in runs.values()]
-        gx.barh(names, goodput, color="#228833")
-        gx.invert_yaxis()
-        gx.set_yticklabels([])
-        gx.set_xlim(0, 1)
-        gx.set_xlabel("goodput")
+def run_economy(places: Places, econ: Economy, args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {"label": econ.label}
+    started = time.time()
+    results["calibration"] = calibrate(places, econ, args)
+    verify(places, econ, args, results["calibration"])
+    if args.only_intervals:
+        print(interval_table(results["calibration"], args.systems))
+        return results
+    results["first_step"] = first_steps(places, econ, args)
+    auto = args.kills == "auto"
+    if auto:
+        args.kills, args.steps = schedule(args, results["calibration"], results["first_step"])
+    results["kills"], results["steps"] = args.kills, args.steps
+    print(f"[{econ.name}] kills at {args.kills} s, {args.steps} steps", flush=True)
+    places.clear()
+    wait_quiet(args)
+    free = run_to_end(places, econ, "none", args, "--steps", str(args.steps), "--every", "0")
+    start = next(e["process_start"] for e in free if e["event"] == "start")
+    done = next(e["t"] for e in free if e["event"] == "done")
+    results["failure_free_seconds"] = done - start
+    results["relaunch_alone"] = with_failures(places, econ, "none", 0, "sync", args)
+    results["failures"] = {}
+    for system in args.systems:
+        chosen = results["calibration"][system]
+        results["failures"][system] = with_failures(
+            places, econ, system, chosen["interval"], chosen["mode"], args
+        )
+        print(f"[{econ.name}] {system}: {results['failures'][system]}", flush=True)
+    if auto:
+        args.kills = "auto"
+    results["minutes"] = (time.time() - started) / 60
+    return results
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--width", type=int, default=1984)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=45, help="steps of each failure run (at least)")
+    ap.add_argument("--economy", default="accel,cpu", help="accel, cpu and/or cuda")
+    ap.add_argument("--accel-state-gib", type=float, default=1.0, help="state per rank")
+    ap.add_argument("--accel-step-seconds", type=float, default=1.0)
+    ap.add_argument("--accel-modes", default="background", help="saving modes measured")
+    ap.add_argument("--cpu-width", type=int, default=1024)
+    ap.add_argument("--cpu-layers", type=int, default=6)
+    ap.add_argument("--cpu-batch", type=int, default=8)
+    ap.add_argument("--cpu-modes", default="background,sync", help="saving modes measured")
+    ap.add_argument("--cuda-width", type=int, default=1024)
+    ap.add_argument("--cuda-layers", type=int, default=8)
+    ap.add_argument("--cuda-batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=20, help="steps of each failure run (at least)")
     ap.add_argument(
         "--kills",
         default="auto",
@@ -632,21 +843,26 @@ def main() -> None:
     )
     ap.add_argument("--keep-last", type=int, default=1)
     ap.add_argument("--overhead", type=float, default=0.05)
-    ap.add_argument("--calibrate-every", type=int, default=6)
-    ap.add_argument("--calibrate-warmup", type=int, default=2, help="saves before the window")
+    ap.add_argument("--calibrate-every", type=int, default=4)
+    ap.add_argument("--calibrate-warmup", type=int, default=1, help="saves before the window")
     ap.add_argument("--calibrate-saves", type=int, default=3, help="saves in the window")
     ap.add_argument("--calibrate-rounds", type=int, default=1)
     ap.add_argument(
-        "--verify-steps", type=int, default=24, help="steps each interval is checked over"
+        "--verify-steps", type=int, default=16, help="steps each interval is checked over"
     )
     ap.add_argument(
-        "--verify-tries", type=int, default=4, help="intervals tried per system, at most"
+        "--verify-tries", type=int, default=1, help="intervals measured per system (--search: 4)"
     )
     ap.add_argument(
-        "--modes",
-        default="background,sync",
-        help="saving modes each system is measured in (examples/train_resume.py --staging); "
-        "the failure runs use each system's cheapest",
+        "--search",
+        action="store_true",
+        help="search each interval by measuring (up to --verify-tries 4 intervals) instead of "
+        "measuring the estimate once; two warm-up saves 6 steps apart, 24 steps per check",
+    )
+    ap.add_argument(
+        "--blocking",
+        action="store_true",
+        help="also measure DCP's default async_save (its blocking copy) on disk",
     )
     ap.add_argument("--repeats", type=int, default=3, help="of each time-to-first-step case")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
@@ -660,75 +876,56 @@ def main() -> None:
         help="run phase 1 alone (each system's interval, estimated then measured at it) and "
         "print its table",
     )
-    ap.add_argument(
-        "--only-first-step",
-        action="store_true",
-        help="run phase 2 alone (time to first step) and print its table",
-    )
     args = ap.parse_args()
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         machine = data.pop("machine")
-        write_report(args.out, "goodput", table(data), machine, data)
-        chart(data, Path(args.out) / "goodput.png")
+        write_report(args.out, "goodput", report(data["economies"]), machine, data)
+        chart(data["economies"], Path(args.out) / "goodput.png")
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the clean-up below runs
+    if args.search:
+        args.verify_tries = max(args.verify_tries, 4)
+        args.verify_steps = max(args.verify_steps, 24)
+        args.calibrate_every, args.calibrate_warmup = 6, 2
     if args.kills != "auto":
         args.kills = [float(k) for k in args.kills.split(",")]
     args.systems = args.systems.split(",")
-    args.modes = args.modes.split(",")
+    chosen = [economies(args)[e] for e in args.economy.split(",")]
 
     work = Path(tempfile.mkdtemp(prefix="kvckpt-goodput-"))
     shm = Path(tempfile.mkdtemp(prefix="kvckpt-goodput-", dir="/dev/shm"))
     disk = Path(tempfile.mkdtemp(prefix="kvckpt-goodput-", dir=args.disk_dir))
     places = Places(work, shm, disk, RedisServer(work / "redis"))
-    params = sum(p.numel() for p in model_for(args.width, args.layers).parameters())
-    state_gib = params * 4 * 3 / 2**30  # weights + AdamW's two moments, fp32
+    started = time.time()
     results: dict[str, Any] = {}
     try:
-        if args.only_first_step:
-            results["first_step"] = first_steps(places, args)
-            print(first_step_table(results["first_step"]))
-            return
-        results["calibration"] = calibrate(places, args)
-        verify(places, args, results["calibration"])
-        if args.only_intervals:
-            print(interval_table(results["calibration"], args.systems))
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "intervals.json").write_text(json.dumps(results, indent=1))
-            return
-        if args.kills == "auto":
-            schedule(args, results["calibration"])
-        results["first_step"] = first_steps(places, args)
-        places.clear()
-        wait_quiet(args)
-        free = run_to_end(places, "none", args, "--steps", str(args.steps), "--every", "0")
-        start = next(e["process_start"] for e in free if e["event"] == "start")
-        done = next(e["t"] for e in free if e["event"] == "done")
-        results["failure_free_seconds"] = done - start
-        results["failures"] = {}
-        for system in args.systems:
-            chosen = results["calibration"][system]
-            results["failures"][system] = with_failures(
-                places, system, chosen["interval"], chosen["mode"], args
-            )
-            print(f"{system}: {results['failures'][system]}", flush=True)
+        for econ in chosen:
+            results[econ.name] = run_economy(places, econ, args)
     finally:
         places.server.stop()
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
         print(f"logs in {work}", flush=True)
-
+    if args.only_intervals:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "intervals.json").write_text(json.dumps(results, indent=1))
+        return
+    minutes = (time.time() - started) / 60
     machine = (
         f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"torch {torch.__version__}; 2 ranks, DDP, gloo; {params / 1e6:.0f}M parameters, "
-        f"{state_gib:.2f} GiB of checkpointed state (weights + AdamW); {args.steps} steps, "
-        f"kills at {', '.join(f'{k:g}' for k in args.kills)} s; failure-free time "
-        f"{results['failure_free_seconds']:.1f} s; medians"
+        f"torch {torch.__version__}"
+        + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "")
+        + f"; medians; {minutes:.0f} min in all; "
+        f"`python benchmarks/goodput.py {' '.join(sys.argv[1:])}`"
     )
-    text = table(results)
-    write_report(args.out, "goodput", text, machine, {"args": vars(args), **results})
+    data = {"args": vars(args), "economies": results}
+    write_report(args.out, "goodput", report(results), machine, data)
     chart(results, Path(args.out) / "goodput.png")
+
+
+def report(results: dict[str, Any]) -> str:
+    return "\n\n".join([side_by_side(results), *(table(r) for r in results.values())])
 
 
 if __name__ == "__main__":

@@ -14,9 +14,23 @@ The pattern to copy, in the order it appears below:
    background; a restart on the same node restores from local memory, on a new node from the
    shared store.
 
-A small MLP (with dropout, so the RNG state matters) is trained with DDP on synthetic data: the
-model, the optimizer, the step (which is also the data position: the batch of step s is a pure
-function of s and the rank) and each rank's RNG state are checkpointed.
+What trains depends on ``--economy``, the machine the job is meant to stand for:
+
+- ``cpu`` (the default): a small MLP (with dropout, so the RNG state matters) trained with DDP
+  and AdamW on the host's cores, on synthetic data. Every core trains, so any work a checkpoint
+  does in the background takes training time.
+- ``accel``: an accelerator node, simulated on the host. Each rank holds ``--state-gib`` of
+  state of its own (weights and two AdamW moments, as a shard under FSDP holds), and a step
+  waits ``--step-seconds`` (the compute runs off the host's cores), runs one all-reduce per
+  25 MiB gradient bucket as DDP does (of one element: the gradients' bytes travel on the
+  accelerators' interconnect), then adds to one of the first four elements of every tensor, a
+  pure function of the step. Left out: the device-to-host copy of a save and a restore's copy
+  back (PCIe), the gradients' bytes and NCCL's start-up.
+- ``cuda``: a small transformer trained with DDP (NCCL) and AdamW on the GPU, one rank per GPU;
+  the saves stage the state into pinned host memory.
+
+In each, the model, the optimizer, the step (which is also the data position: the batch of step
+s is a pure function of s and the rank) and each rank's RNG state are checkpointed.
 
     # 2 ranks, checkpoints in node-local LMDB, copied to Redis in the background;
     # torchrun restarts the job once when a rank dies
@@ -44,6 +58,7 @@ PROCESS_START = time.time()  # before the imports: they are part of a restart's 
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
@@ -82,6 +97,116 @@ def batch(step: int, rank: int, width: int, size: int) -> tuple[torch.Tensor, to
     x = torch.randn(size, width, generator=g)
     y = torch.sin(x[:, :1] * 3) + x[:, 1:2] * x[:, 2:3]
     return x, y
+
+
+class HostTraining:
+    """``--economy cpu``: DDP and AdamW on the host's cores."""
+
+    def __init__(self, args: argparse.Namespace, rank: int) -> None:
+        self.args, self.rank = args, rank
+        torch.manual_seed(0)  # the same initial weights on every rank: DDP need not broadcast
+        self.model = DistributedDataParallel(
+            model_for(args.width, args.layers), gradient_as_bucket_view=True, init_sync=False
+        )
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-3, fused=True)
+        torch.manual_seed(1 + rank)  # each rank's own dropout stream
+
+    def state(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optim)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def loaded(self, sd: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+        )
+
+    def compute(self, step: int) -> torch.Tensor:
+        """Forward and backward: everything before the state changes."""
+        x, y = batch(step, self.rank, self.args.width, self.args.batch)
+        loss = nn.functional.mse_loss(self.model(x), y)
+        self.optim.zero_grad()
+        loss.backward()
+        return loss
+
+    def update(self, step: int) -> None:
+        self.optim.step()
+
+
+class CudaTraining(HostTraining):
+    """``--economy cuda``: a small transformer, DDP over NCCL and AdamW on this rank's GPU."""
+
+    def __init__(self, args: argparse.Namespace, rank: int) -> None:
+        self.args, self.rank = args, rank
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(self.device)
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(
+            args.width, max(1, args.width // 64), 4 * args.width, batch_first=True
+        )
+        net = nn.Sequential(
+            nn.Embedding(VOCAB, args.width),
+            nn.TransformerEncoder(layer, args.layers, enable_nested_tensor=False),
+            nn.Linear(args.width, VOCAB),
+        ).to(self.device)
+        self.model = DistributedDataParallel(net, gradient_as_bucket_view=True, init_sync=False)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
+        torch.manual_seed(1 + rank)
+
+    def compute(self, step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1_000_003 * step + self.rank)
+        tokens = torch.randint(VOCAB, (self.args.batch, 257), generator=g).to(self.device)
+        logits = self.model(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        self.optim.zero_grad()
+        loss.backward()
+        return loss
+
+
+VOCAB = 8192
+
+
+class SimulatedAccelerator:
+    """``--economy accel``: the state of an accelerator node's rank, trained by an accelerator
+    that this host only waits for. The host's cores stay free during a step, as on a GPU node;
+    the state changes at every step (one element per tensor, a pure function of the step), so
+    a checkpoint of the wrong step restores a different state."""
+
+    TENSOR_BYTES = 64 << 20
+
+    def __init__(self, args: argparse.Namespace, rank: int) -> None:
+        self.args, self.rank = args, rank
+        per_kind = int(args.state_gib * 2**30) // 3  # weights, exp_avg, exp_avg_sq
+        count = max(1, round(per_kind / self.TENSOR_BYTES))
+        numel = per_kind // count // 4
+        self.tensors: dict[str, torch.Tensor] = {}
+        for kind in ("weight", "exp_avg", "exp_avg_sq"):
+            for i in range(count):
+                t = torch.empty(numel, dtype=torch.float32)
+                t.fill_(0.01 * (i + 1) + (kind == "weight"))  # real pages, as a model's init
+                self.tensors[f"rank{rank}.layer{i}.{kind}"] = t
+        self.buckets = max(1, math.ceil(per_kind / (25 << 20)))
+        self.grad = torch.zeros(1)
+        torch.manual_seed(1 + rank)
+
+    def state(self) -> dict[str, Any]:
+        return {"shard": self.tensors}
+
+    def loaded(self, sd: dict[str, Any]) -> None:
+        pass  # dcp.load filled the tensors in place
+
+    def compute(self, step: int) -> torch.Tensor:
+        started = time.perf_counter()
+        for _ in range(self.buckets):  # DDP's all-reduce of each gradient bucket
+            self.grad.fill_(step)
+            dist.all_reduce(self.grad)
+        time.sleep(max(0.0, self.args.step_seconds - (time.perf_counter() - started)))
+        return torch.stack([t[:4].sum() for t in self.tensors.values()]).sum()
+
+    def update(self, step: int) -> None:
+        """The first four elements of each tensor sum every step so far: a checkpoint of
+        another step, or a restore that lost an update, shows in the next loss."""
+        for i, t in enumerate(self.tensors.values()):
+            t[step % 4] += (step % 7) * 1e-3 + i * 1e-6
 
 
 class DirectoryStore:
@@ -163,7 +288,7 @@ class KVStore:
         self.tiers.wait()
 
 
-def init_distributed() -> None:
+def init_distributed(backend: str) -> None:
     """``init_process_group`` under a store prefix of its own per restart: torchrun keeps one
     rendezvous store across restarts, and gloo would otherwise read the addresses the killed
     attempt's ranks published there and fail to connect."""
@@ -177,7 +302,7 @@ def init_distributed() -> None:
         is_master=rank == 0 and not agent_store,
     )
     dist.init_process_group(
-        "gloo", store=dist.PrefixStore(f"attempt-{attempt}", store), rank=rank, world_size=world
+        backend, store=dist.PrefixStore(f"attempt-{attempt}", store), rank=rank, world_size=world
     )
 
 
@@ -194,6 +319,14 @@ def main() -> None:
         default="",
         help="comma-separated steps to checkpoint at as well (warm-up saves before --every's)",
     )
+    ap.add_argument(
+        "--economy",
+        choices=["cpu", "accel", "cuda"],
+        default="cpu",
+        help="what trains: DDP on the host's cores, a simulated accelerator, or CUDA",
+    )
+    ap.add_argument("--state-gib", type=float, default=1.0, help="accel: state per rank")
+    ap.add_argument("--step-seconds", type=float, default=1.0, help="accel: one step's compute")
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32, help="samples per rank and step")
@@ -215,7 +348,7 @@ def main() -> None:
     ap.add_argument("--events", help="a file for JSON lines from rank 0")
     args = ap.parse_args()
 
-    init_distributed()
+    init_distributed("nccl" if args.economy == "cuda" else "gloo")
     rank = dist.get_rank()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if attempt > 0 and args.wipe_on_restart:  # a replaced node: its local store is gone
@@ -247,20 +380,17 @@ def main() -> None:
         store.recover()
     dist.barrier()
 
-    torch.manual_seed(0)  # the same initial weights on every rank: DDP need not broadcast them
-    model = DistributedDataParallel(
-        model_for(args.width, args.layers), gradient_as_bucket_view=True, init_sync=False
-    )
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    torch.manual_seed(1 + rank)  # each rank's own dropout stream
+    trainer: HostTraining | SimulatedAccelerator = {
+        "cpu": HostTraining,
+        "accel": SimulatedAccelerator,
+        "cuda": CudaTraining,
+    }[args.economy](args, rank)
 
     def state() -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(model, optim)
         return {
-            "model": model_sd,
-            "optim": optim_sd,
+            **trainer.state(),
             "step": torch.tensor(step),
-            "rng": {f"rank{rank}": torch.get_rng_state()},
+            "rng": {f"rank{rank}": rng_state()},
         }
 
     step = 0
@@ -273,8 +403,8 @@ def main() -> None:
         store.load(sd, found)
         load_seconds = time.time() - load_start
         loaded = time.time()
-        set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        torch.set_rng_state(sd["rng"][f"rank{rank}"])
+        trainer.loaded(sd)
+        set_rng_state(sd["rng"][f"rank{rank}"])
         step = int(sd["step"])
         del sd
         name = found[0] if isinstance(found, tuple) else found.checkpoint_id
@@ -305,17 +435,14 @@ def main() -> None:
     while step < args.steps:
         if attempt == 0 and step == args.kill_at_step and rank == args.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
-        x, y = batch(step, rank, args.width, args.batch)
-        loss = nn.functional.mse_loss(model(x), y)
-        optim.zero_grad()
-        loss.backward()
+        loss = trainer.compute(step)
         if not staged:  # the optimizer step changes the state: the copy must be taken
             started = time.perf_counter()
             saving.staging_completion.result()
             save_event["blocking_seconds"] += time.perf_counter() - started
             log(**save_event)
             staged = True
-        optim.step()
+        trainer.update(step)
         step += 1
         log(event="loss", step=step, loss=loss.item().hex(), t=time.time())
         if (args.every and step % args.every == 0) or step in also_save_at:
@@ -362,6 +489,20 @@ def main() -> None:
     # deadlock with gloo's worker thread over the GIL, and torch 2.13's gloo can abort in a
     # static destructor.
     os._exit(0)
+
+
+def rng_state() -> torch.Tensor:
+    """This process's RNG state: the CPU generator's, and the GPU's after it where one is used."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cat([torch.get_rng_state(), torch.cuda.get_rng_state()])
+    return torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor) -> None:
+    cpu = torch.get_rng_state().numel()
+    torch.set_rng_state(state[:cpu].clone())
+    if state.numel() > cpu:
+        torch.cuda.set_rng_state(state[cpu:].clone())
 
 
 def staged_async(saving: Any) -> bool:

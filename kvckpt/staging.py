@@ -123,7 +123,7 @@ def background_stager(*, share_memory: bool = False) -> AsyncStager:
             "staging copy on older versions, but copies while the loop waits."
         ) from e
     accelerator = accelerator_available()
-    return DefaultStager(
+    stager = DefaultStager(
         StagingOptions(
             use_pinned_memory=accelerator,
             use_shared_memory=share_memory,
@@ -131,6 +131,18 @@ def background_stager(*, share_memory: bool = False) -> AsyncStager:
             use_non_blocking_copy=accelerator,
         )
     )
+    _copy_classes_as_they_are(stager)
+    return stager
+
+
+def _copy_classes_as_they_are(stager: Any) -> None:
+    """Give the stager's deep copy a rule for classes where it lacks one: torch 2.11's
+    ``StateDictStager`` raises ``KeyError: <class 'type'>`` on a class it meets inside an
+    object's reduction (a subclass of ``dict`` in a state dict, say); later releases copy
+    classes as they are (``copy.deepcopy`` does the same)."""
+    dispatch = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
+    if isinstance(dispatch, dict):
+        dispatch.setdefault(type, lambda x, memo: x)
 
 
 def accelerator_available() -> bool:
