@@ -37,7 +37,8 @@ set up for this host), so the systems differ only in where the bytes go. Per eco
    ``--search`` the interval then moves in proportion to the measured overhead until the
    smallest interval that passes is within 10% of the largest that fails (``--verify-tries``).
 2. **Time to first step.** A fresh start that never checkpoints, against a start that restores
-   ``Tiers``' newest checkpoint on a new node, with and without ``prefetch()``; taking turns.
+   ``Tiers``' newest checkpoint on a new node: with ``prefetch()`` (which copies only where a
+   core is spare), with ``prefetch(force=True)`` and without; taking turns.
 3. **Failures.** Each system trains at its interval while a rank is SIGKILLed three times
    (``--kills``: seconds after launch, the same for every system; a kill waits until the job
    is back from the one before); torchrun restarts the job. A run that never checkpoints is
@@ -390,7 +391,8 @@ def next_interval(tries: list[dict[str, Any]], limit: float, searching: bool = T
 # -- phase 2: time to first step -------------------------------------------------------------
 
 FRESH = "fresh start, no checkpoint"
-PREFETCH = "Tiers restore on a new node, prefetch"
+PREFETCH = "Tiers restore on a new node, prefetch()"
+FORCED = "Tiers restore on a new node, prefetch(force=True)"
 NO_PREFETCH = "Tiers restore on a new node, no prefetch"
 
 
@@ -409,6 +411,7 @@ def first_steps(places: Places, econ: Economy, args: argparse.Namespace) -> dict
             ["--steps", "3", "--every", "0"],
         ),
         PREFETCH: ("tiers", ["--steps", "3", "--every", "0"]),
+        FORCED: ("tiers", ["--steps", "3", "--every", "0", "--force-prefetch"]),
         NO_PREFETCH: ("tiers", ["--steps", "3", "--every", "0", "--no-prefetch"]),
     }
     out: dict[str, list[float]] = {c: [] for c in cases}

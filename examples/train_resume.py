@@ -217,7 +217,7 @@ class DirectoryStore:
         self.path = Path(path)
         self.keep_last = keep_last
 
-    def prefetch(self) -> None:
+    def prefetch(self, force: bool = False) -> None:
         pass
 
     def recover(self) -> None:
@@ -258,8 +258,9 @@ class KVStore:
     def __init__(self, urls: list[str], durable: str | None, every: int, keep: int) -> None:
         self.tiers = kvckpt.Tiers(urls, durable=durable, durable_every=every, keep_last=keep)
 
-    def prefetch(self) -> None:
-        self.tiers.prefetch()  # local rank 0 of each node; a no-op for a single store
+    def prefetch(self, force: bool = False) -> None:
+        # local rank 0 of each node, where a core is spare; a no-op for a single store
+        self.tiers.prefetch(force=force)
 
     def recover(self) -> None:
         # Saves that a killed writer left half-done: drop them and free their write leases,
@@ -338,6 +339,11 @@ def main() -> None:
         "with DCP's default staging copy; sync: dcp.save",
     )
     ap.add_argument("--no-prefetch", action="store_true", help="restore without Tiers.prefetch")
+    ap.add_argument(
+        "--force-prefetch",
+        action="store_true",
+        help="Tiers.prefetch(force=True): prefetch even where no core is spare",
+    )
     ap.add_argument("--kill-at-step", type=int, help="SIGKILL --kill-rank at this step (1st run)")
     ap.add_argument("--kill-rank", type=int, default=1)
     ap.add_argument(
@@ -362,7 +368,7 @@ def main() -> None:
     else:
         store = KVStore(args.store, args.durable, args.durable_every, args.keep_last)
     if not args.no_prefetch:
-        store.prefetch()
+        store.prefetch(force=args.force_prefetch)
 
     # The saves' collectives run in a background thread while training's all-reduces run in
     # this one: they need a process group of their own, or the two interleave and hang.

@@ -39,7 +39,7 @@ import shutil
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -63,10 +63,17 @@ from .catalog import (
 )
 from .engines.base import Engine
 from .errors import KVCheckpointError, ReplicationError
-from .format import CheckpointRecord, ItemLocation, part_ranges, spare_key
+from .format import (
+    CheckpointRecord,
+    ItemLocation,
+    checksum,
+    new_checksum,
+    part_ranges,
+    spare_key,
+)
 from .manage import NEVER, discard_save, gc, list_checkpoints
-from .node import node_id
-from .reader import KVStorageReader, read_checked
+from .node import node_id, run_in_background, spare_cores
+from .reader import KVStorageReader, corrupted, damaged, read_checked
 from .restore import RestoreStats, TieredStorageReader
 from .stores import open_store
 from .transfer import DirectoryReader, export_checkpoint
@@ -139,7 +146,11 @@ class Tiers:
         self.part_bytes = min(int(e.max_value_bytes) for e in self.engines)
         # One thread, so each rank's copies run in save order and a commit job queued after
         # this rank's copy job of the same save runs after it.
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvckpt-tiers")
+        # Below training's priority: where the cores are busy training, the copies wait for
+        # the steps instead of slowing them (``run_in_background``).
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="kvckpt-tiers", initializer=run_in_background
+        )
         self._lock = threading.Lock()
         self._jobs: list[Future[None]] = []
         #: the first error of each save whose copy failed: one failed copy counts once, however
@@ -415,6 +426,7 @@ class Tiers:
         local_rank: int | None = None,
         node_rank: int | None = None,
         ranks_per_node: int | None = None,
+        force: bool = False,
     ) -> Future[Restore | None] | None:
         """Start bringing this node's share of the newest checkpoint from a shared tier into
         the first (node-local) tier, in the background; ``latest()`` and ``restore()`` wait for
@@ -435,6 +447,13 @@ class Tiers:
         whole checkpoint. Values the store already holds whole are not fetched again, so on a
         plain restart (the store survived) a prefetch reads no data.
 
+        A prefetch never slows a restart down. It runs only where the node has a core its ranks
+        leave free (``kvckpt.node.spare_cores``: a GPU node), on one thread below training's
+        priority. Where every core is busy starting the job up, a copy into local memory could
+        only compete with the start-up, and the restore reads the shared tier directly, which
+        moves each byte once instead of twice; ``prefetch()`` then returns None (``force=True``
+        copies all the same).
+
         The future's result is the checkpoint it brought values of, read from the first tier
         (None when there was nothing to bring: no checkpoint in a shared tier, only one in the
         durable directory, or every value of the share already local). When the copy fails,
@@ -454,6 +473,12 @@ class Tiers:
             if ranks_per_node is None
             else range(node_rank * ranks_per_node, (node_rank + 1) * ranks_per_node)
         )
+        if not force and spare_cores(ranks_per_node) < 1:
+            logger.info(
+                "kvckpt tiers: no prefetch: every core of this node has a rank to start; the "
+                "restore reads the shared tier directly"
+            )
+            return None
         with self._lock:
             if self._prefetch is None:
                 self._prefetch = self._pool.submit(self._bring_share, share)
@@ -615,54 +640,118 @@ def copy_values(
     renew: Callable[[], None],
 ) -> None:
     """Copy the values of a save's items from ``src`` to each of ``dsts`` under the same keys,
-    in batches of at most 64 MiB read into one reused buffer; ``renew`` is called after each
-    batch (the caller's read lease).
+    in batches of at most 64 MiB; ``renew`` is called after each batch (the caller's read
+    lease).
 
-    Each value is checked as it is read, before any of its batch is written: a missing or
-    wrongly sized one raises ``DataError``, and one that does not match the checksum its save
-    recorded (where ``locations`` carry checksums) ``IntegrityError``, both naming the
-    checkpoint, the key and ``src``. The caller discards what earlier batches wrote."""
+    From a store that lends its own memory (``Engine.zero_copy_reads``: LMDB's map) the values
+    are sent straight from it, each byte read once; from any other they are read into one
+    reused buffer first. Every value is checked: a missing or wrongly sized one raises
+    ``DataError`` before its batch is written, and one that does not match the checksum its
+    save recorded (where ``locations`` carry checksums) ``IntegrityError``, both naming the
+    checkpoint, the key and ``src``. Checksums are computed as the bytes go out where the
+    destination hashes while writing, else before they are sent. A failed copy never commits:
+    the caller discards what was written."""
     # (source key, destination keys, size, checksum) of every part
-    parts: list[tuple[str, list[str], int, int | None]] = []
+    parts: list[_Part] = []
     for loc in locations:
         src_keys = loc.keys(src.prefix, checkpoint_id, save_id)
         dst_keys = [loc.keys(dst.prefix, checkpoint_id, save_id) for dst in dsts]
         for p, (a, b) in enumerate(part_ranges(loc.nbytes, loc.part_bytes)):
             expected = loc.checksums[p] if loc.checksums else None
-            parts.append((src_keys[p], [keys[p] for keys in dst_keys], b - a, expected))
-    largest = max((n for _, _, n, _ in parts), default=0)
-    total = sum(n for _, _, n, _ in parts)
+            parts.append(_Part(src_keys[p], [keys[p] for keys in dst_keys], b - a, expected))
+    total = sum(part.size for part in parts)
     for dst in dsts:
         dst.reserve(total)  # room for every batch at once, not batch by batch
-    buffer = memoryview(bytearray(max(min(_COPY_BATCH, total), largest)))
-    start = 0
-    while start < len(parts):
-        stop, size = start, 0
-        while stop < len(parts) and (stop == start or size + parts[stop][2] <= _COPY_BATCH):
-            size += parts[stop][2]
-            stop += 1
-        batch = parts[start:stop]
-        views, offset = [], 0
-        for _, _, n, _ in batch:
-            views.append(buffer[offset : offset + n])
-            offset += n
-        src_keys = [k for k, _, _, _ in batch]
-        sums = [expected for _, _, _, expected in batch]
-        read_checked(src, checkpoint_id, src_keys, views, sums, lambda i: None)
-        for t, dst in enumerate(dsts):
-            # over the spares of the checkpoint the replica's retention dropped, where it can
-            reuse = {"spare_of": partial(spare_key, dst.prefix)} if dst.reuses_values else {}
-            dst.put_many(
-                (
-                    (dst_keys[t], view)
-                    for (_, dst_keys, _, _), view in zip(batch, views, strict=True)
-                ),
-                **reuse,
-            )
-        start = stop
+    buffer = None
+    if not src.zero_copy_reads:
+        largest = max((part.size for part in parts), default=0)
+        buffer = memoryview(bytearray(max(min(_COPY_BATCH, total), largest)))
+    for batch in _batches(parts):
+        keys = [part.src_key for part in batch]
+        sums = [part.checksum for part in batch]
+        if buffer is None:
+            with src.borrow(keys) as lent:
+                views: list[memoryview] = []
+                for part, view in zip(batch, lent, strict=True):
+                    if view is None or view.nbytes != part.size:
+                        got = None if view is None else view.nbytes
+                        raise damaged(src, checkpoint_id, part.src_key, None, got, part.size)
+                    views.append(view)
+                _send(src, dsts, checkpoint_id, batch, views, verify=True)
+        else:
+            views, offset = [], 0
+            for part in batch:
+                views.append(buffer[offset : offset + part.size])
+                offset += part.size
+            read_checked(src, checkpoint_id, keys, views, sums, lambda i: None)
+            _send(src, dsts, checkpoint_id, batch, views, verify=False)
         renew()
     for dst in dsts:
         dst.sync_replicas()
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One value a copy moves: its key in the source, in each destination, size, checksum."""
+
+    src_key: str
+    dst_keys: list[str]
+    size: int
+    checksum: int | None
+
+
+def _batches(parts: list[_Part]) -> Iterator[list[_Part]]:
+    """Consecutive runs of ``parts`` of at most ``_COPY_BATCH`` bytes (a larger part alone)."""
+    start = 0
+    while start < len(parts):
+        stop, size = start, 0
+        while stop < len(parts) and (stop == start or size + parts[stop].size <= _COPY_BATCH):
+            size += parts[stop].size
+            stop += 1
+        yield parts[start:stop]
+        start = stop
+
+
+def _send(
+    src: Engine,
+    dsts: Sequence[Engine],
+    checkpoint_id: str,
+    batch: list[_Part],
+    views: list[memoryview],
+    *,
+    verify: bool,
+) -> None:
+    """Write one batch into each destination; with ``verify``, check each value against its
+    checksum on the way (hashed as the first destination sends it, where it can)."""
+    unchecked = [i for i, part in enumerate(batch) if verify and part.checksum is not None]
+    for t, dst in enumerate(dsts):
+        items = ((part.dst_keys[t], view) for part, view in zip(batch, views, strict=True))
+        # over the spares of the checkpoint the replica's retention dropped, where it can
+        reuse = {"spare_of": partial(spare_key, dst.prefix)} if dst.reuses_values else {}
+        if unchecked and not dst.hashes_while_writing:
+            _check(src, checkpoint_id, batch, {i: checksum(views[i]) for i in unchecked})
+            unchecked = []
+        if unchecked:
+            digests: dict[int, int | None] = {}
+            dst.put_many(items, on_value=digests.__setitem__, hasher=new_checksum, **reuse)  # type: ignore[call-arg]
+            found = {i: _or_hash(digests.get(i), views[i]) for i in unchecked}
+            _check(src, checkpoint_id, batch, found)
+            unchecked = []
+        else:
+            dst.put_many(items, **reuse)
+    if unchecked:  # no destination
+        _check(src, checkpoint_id, batch, {i: checksum(views[i]) for i in unchecked})
+
+
+def _or_hash(digest: int | None, view: memoryview) -> int:
+    """The digest a destination reported, or (where it reported none) the view's checksum."""
+    return checksum(view) if digest is None else digest
+
+
+def _check(src: Engine, checkpoint_id: str, batch: list[_Part], digests: dict[int, int]) -> None:
+    for i, digest in digests.items():
+        if digest != batch[i].checksum:
+            raise corrupted(src, checkpoint_id, batch[i].src_key, None)
 
 
 def _not_held(

@@ -5,6 +5,8 @@ starts up (``Tiers.prefetch``). Real LMDB, a real redis-server, real gloo ranks.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -135,6 +137,34 @@ def test_prefetch_brings_the_newest_checkpoint_into_the_local_tier(
     dcp.save(state(3.0), storage_writer=tiers.writer(), checkpoint_id="step-3")
     tiers.close()
     assert [i.checkpoint_id for i in list_checkpoints(new_node)] == ["step-3", "step-2"]
+
+
+def test_prefetch_waits_for_a_spare_core(
+    tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where every core of the node has a rank to start, a copy into local memory would only
+    compete with the start-up: ``prefetch()`` copies nothing and the restore reads the shared
+    tier; ``force=True`` copies all the same. The copy runs below the caller's priority."""
+    saved_tiers(tmp_path, redis_url)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(len(os.sched_getaffinity(0))))
+    tiers = Tiers([f"lmdb://{tmp_path / 'new-node'}", redis_url])
+    assert tiers.prefetch() is None
+    out = state(-1.0)
+    choice = tiers.restore(out)
+    assert choice is not None and (choice.checkpoint_id, choice.tier) == ("step-2", 1)
+    assert same(out, state(2.0))
+    assert tiers.last_restore_stats.shared and not tiers.last_restore_stats.local
+
+    future = tiers.prefetch(force=True)
+    assert future is not None
+    brought = future.result()
+    assert brought is not None and (brought.checkpoint_id, brought.tier) == ("step-2", 0)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    theirs = tiers._pool.submit(
+        lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    ).result()
+    assert theirs == min(19, mine + kvckpt.node.BACKGROUND_NICENESS)
+    tiers.close()
 
 
 def test_prefetch_runs_on_local_rank_0_only(

@@ -76,6 +76,8 @@ def test_kill_one_rank_and_resume_bit_exact(
         args = ["--store", f"lmdb://{local}", "--store", redis_url, "--wipe-on-restart", str(local)]
         if kind.endswith("no prefetch"):
             args.append("--no-prefetch")
+        else:  # this machine's cores all have a rank: by itself, prefetch() would not copy
+            args.append("--force-prefetch")
     events = run(tmp_path / "events.jsonl", *args, kill=True)
 
     resumes = [e for e in events if e["event"] == "resume"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -187,6 +188,22 @@ class Engine(ABC):
 
         self.get_many(keys, consume)
         return sizes
+
+    @contextmanager
+    def borrow(self, keys: Sequence[str]) -> Iterator[list[memoryview | None]]:
+        """The values of ``keys`` (None for a missing key), valid until the block ends.
+
+        A copy to another store sends from these views. Engines with ``zero_copy_reads`` lend
+        their own memory, so the copy reads each byte once, straight into the destination; the
+        default reads copies (``get_many``). Keep the block short: a store may hold back other
+        work while memory is lent (LMDB keeps the pages of a read transaction from reuse)."""
+        out: list[memoryview | None] = [None] * len(keys)
+
+        def consume(i: int, view: memoryview | None) -> None:
+            out[i] = None if view is None else memoryview(bytes(view))
+
+        self.get_many(keys, consume)
+        yield out
 
     @abstractmethod
     def get(self, key: str) -> bytes | None:

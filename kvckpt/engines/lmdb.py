@@ -704,6 +704,11 @@ class LMDBEngine(Engine):
                 # a view of the map: read transactions are begun with buffers=True
                 consume(i, txn.get(key.encode()))  # type: ignore[arg-type]
 
+    @contextmanager
+    def borrow(self, keys: Sequence[str]) -> Iterator[list[memoryview | None]]:
+        with self._read_txn() as txn:
+            yield [txn.get(key.encode()) for key in keys]  # type: ignore[misc]
+
     def get(self, key: str) -> bytes | None:
         with self._read_txn() as txn:
             value = txn.get(key.encode())
