@@ -256,6 +256,7 @@ def calibrate(places: Places, econ: Economy, args: argparse.Namespace) -> dict[s
     spans: dict[str, list[float]] = {c: [] for c in cases}
     blocking: dict[str, list[float]] = {c: [] for c in cases}
     waiting: dict[str, list[float]] = {c: [] for c in cases}
+    flight: dict[str, list[float]] = {c: [] for c in cases}
     for rnd in range(args.calibrate_rounds):
         for case in cases[rnd % len(cases) :] + cases[: rnd % len(cases)]:  # taking turns
             system, _, mode = case.partition("/")
@@ -270,6 +271,11 @@ def calibrate(places: Places, econ: Economy, args: argparse.Namespace) -> dict[s
             ]
             blocking[case] += [e["blocking_seconds"] for e in measured]
             waiting[case] += [e["waiting_for_previous_seconds"] for e in measured]
+            flight[case] += [  # from the save's call until its upload is done
+                e["seconds"]
+                for e in ev
+                if e["event"] == "uploaded" and window[0] <= e["step"] < window[1]
+            ] or [e["blocking_seconds"] for e in measured]
             print(f"[{econ.name}] calibrate {case}: {spans[case][-1]:.2f} s", flush=True)
     base = statistics.median(spans["none"])
     step = base / (window[1] - window[0])
@@ -279,17 +285,25 @@ def calibrate(places: Places, econ: Economy, args: argparse.Namespace) -> dict[s
         # than the upload: it is not counted (in the slower system's favour).
         measured = (statistics.median(spans[case]) - base) / saves
         per_save = max(0.0, measured - statistics.median(waiting[case]))
+        in_flight = statistics.median(flight[case])
         out[case] = {
             "spans": spans[case],
             "measured_overhead_per_save_seconds": measured,
             "waiting_for_previous_median": statistics.median(waiting[case]),
             "overhead_per_save_seconds": per_save,
-            "interval": max(1, math.ceil(per_save / (args.overhead * step))),
+            "in_flight_seconds": in_flight,
+            # at most the overhead's share of training, and no wait for the previous save
+            "interval": max(
+                1, math.ceil(per_save / (args.overhead * step)), math.ceil(in_flight / step)
+            ),
             "blocking_median": statistics.median(blocking[case]),
             "blocking_max": max(blocking[case]),
             "blocking": blocking[case],
         }
-        print(f"[{econ.name}] {case}: {per_save:.2f} s per save", flush=True)
+        print(
+            f"[{econ.name}] {case}: {per_save:.2f} s per save, {in_flight:.2f} s in flight",
+            flush=True,
+        )
     for system in args.systems:
         best = min(
             (f"{system}/{m}" for m in econ.modes), key=lambda c: out[c]["overhead_per_save_seconds"]
@@ -353,7 +367,9 @@ def verify(
         passed = [t["interval"] for t in tries if t["overhead"] <= args.overhead]
         chosen["estimated_interval"] = chosen["interval"]
         chosen["verified"] = tries
-        if passed:
+        if not tries:  # --verify-tries 0: the estimate, not measured
+            chosen["measured_overhead"] = None
+        elif passed:
             chosen["interval"] = min(passed)
             chosen["measured_overhead"] = next(
                 t["overhead"] for t in tries if t["interval"] == min(passed)
@@ -680,12 +696,19 @@ def table(results: dict[str, Any]) -> str:
         rows,
     )
     modes = markdown_table(
-        ("system", "saves with", "overhead per save (s)", "blocking per save, median / max (s)"),
+        (
+            "system",
+            "saves with",
+            "overhead per save (s)",
+            "in flight per save (s)",
+            "blocking per save, median / max (s)",
+        ),
         (
             (
                 NAMES[case.partition("/")[0]],
                 MODES[case.partition("/")[2]],
                 f"{c['overhead_per_save_seconds']:.2f}",
+                f"{c.get('in_flight_seconds', float('nan')):.2f}",
                 f"{c['blocking_median']:.3f} / {c['blocking_max']:.3f}",
             )
             for case, c in cal.items()
@@ -750,12 +773,20 @@ def first_step_table(firsts: dict[str, list[float]]) -> str:
 def interval_table(cal: dict[str, Any], systems: list[str]) -> str:
     """Phase 1 alone: each system's mode, estimate, and the overhead at each interval tried."""
     return markdown_table(
-        ("system", "saves with", "overhead per save (s)", "estimated interval", "measured"),
+        (
+            "system",
+            "saves with",
+            "overhead per save (s)",
+            "in flight (s)",
+            "estimated interval",
+            "measured",
+        ),
         (
             (
                 NAMES[s],
                 MODES[cal[s]["mode"]],
                 f"{cal[s]['overhead_per_save_seconds']:.2f}",
+                f"{cal[s].get('in_flight_seconds', float('nan')):.2f}",
                 cal[s]["estimated_interval"],
                 ", ".join(f"{v['interval']}: {v['overhead']:.1%}" for v in cal[s]["verified"]),
             )
@@ -789,14 +820,25 @@ def chart(all_results: dict[str, Any], path: Path) -> None:
 
 
 def run_economy(places: Places, econ: Economy, args: argparse.Namespace) -> dict[str, Any]:
-    results: dict[str, Any] = {"label": econ.label}
+    """The phases of ``--phases`` in one economy; those left out come from ``--resume``."""
+    earlier = json.loads(Path(args.resume).read_text())["economies"] if args.resume else {}
+    results: dict[str, Any] = {"label": econ.label, **earlier.get(econ.name, {})}
     started = time.time()
-    results["calibration"] = calibrate(places, econ, args)
-    verify(places, econ, args, results["calibration"])
-    if args.only_intervals:
-        print(interval_table(results["calibration"], args.systems))
-        return results
-    results["first_step"] = first_steps(places, econ, args)
+    if "intervals" in args.phases:
+        results["calibration"] = calibrate(places, econ, args)
+        verify(places, econ, args, results["calibration"])
+        print(interval_table(results["calibration"], args.systems), flush=True)
+    if "first-step" in args.phases:
+        results["first_step"] = first_steps(places, econ, args)
+    if "failures" in args.phases:
+        failures(places, econ, args, results)
+    results["minutes"] = results.get("minutes", 0) + (time.time() - started) / 60
+    return results
+
+
+def failures(
+    places: Places, econ: Economy, args: argparse.Namespace, results: dict[str, Any]
+) -> None:
     auto = args.kills == "auto"
     if auto:
         args.kills, args.steps = schedule(args, results["calibration"], results["first_step"])
@@ -816,10 +858,13 @@ def run_economy(places: Places, econ: Economy, args: argparse.Namespace) -> dict
             places, econ, system, chosen["interval"], chosen["mode"], args
         )
         print(f"[{econ.name}] {system}: {results['failures'][system]}", flush=True)
+        # what is measured so far, should the run be cut short
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / f"goodput-{econ.name}-partial.json").write_text(
+            json.dumps(results, indent=1)
+        )
     if auto:
         args.kills = "auto"
-    results["minutes"] = (time.time() - started) / 60
-    return results
 
 
 def main() -> None:
@@ -847,7 +892,7 @@ def main() -> None:
     ap.add_argument("--keep-last", type=int, default=1)
     ap.add_argument("--overhead", type=float, default=0.05)
     ap.add_argument("--calibrate-every", type=int, default=4)
-    ap.add_argument("--calibrate-warmup", type=int, default=1, help="saves before the window")
+    ap.add_argument("--calibrate-warmup", type=int, default=2, help="saves before the window")
     ap.add_argument("--calibrate-saves", type=int, default=3, help="saves in the window")
     ap.add_argument("--calibrate-rounds", type=int, default=1)
     ap.add_argument(
@@ -874,10 +919,13 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--from-json", help="only re-render the report of an earlier run's JSON")
     ap.add_argument(
-        "--only-intervals",
-        action="store_true",
-        help="run phase 1 alone (each system's interval, estimated then measured at it) and "
-        "print its table",
+        "--phases",
+        default="intervals,first-step,failures",
+        help="the phases to run; a run split in two takes the others from --resume",
+    )
+    ap.add_argument(
+        "--resume",
+        help="an earlier run's goodput.json: the phases not in --phases come from it",
     )
     args = ap.parse_args()
     if args.from_json:
@@ -894,6 +942,7 @@ def main() -> None:
     if args.kills != "auto":
         args.kills = [float(k) for k in args.kills.split(",")]
     args.systems = args.systems.split(",")
+    args.phases = args.phases.split(",")
     chosen = [economies(args)[e] for e in args.economy.split(",")]
 
     work = Path(tempfile.mkdtemp(prefix="kvckpt-goodput-"))
@@ -910,9 +959,10 @@ def main() -> None:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
         print(f"logs in {work}", flush=True)
-    if args.only_intervals:
+    if "failures" not in args.phases and not args.resume:  # the first half of a split run
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "intervals.json").write_text(json.dumps(results, indent=1))
+        data = {"args": vars(args), "economies": results}
+        (Path(args.out) / "goodput.json").write_text(json.dumps(data, indent=1))
         return
     minutes = (time.time() - started) / 60
     machine = (

@@ -62,7 +62,9 @@ import math  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
+import threading  # noqa: E402
 import warnings  # noqa: E402
+from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -256,7 +258,11 @@ class KVStore:
     """kvckpt through ``Tiers`` (one store, or several with background copies)."""
 
     def __init__(self, urls: list[str], durable: str | None, every: int, keep: int) -> None:
-        self.tiers = kvckpt.Tiers(urls, durable=durable, durable_every=every, keep_last=keep)
+        # copy="newest": a training loop that saves faster than the copies to the shared tier
+        # go never queues them up
+        self.tiers = kvckpt.Tiers(
+            urls, durable=durable, durable_every=every, keep_last=keep, copy="newest"
+        )
 
     def prefetch(self, force: bool = False) -> None:
         # local rank 0 of each node, where a core is spare; a no-op for a single store
@@ -376,10 +382,16 @@ def main() -> None:
     PG = dist.new_group(backend="gloo")
     log_file = open(args.events, "a") if args.events and rank == 0 else None  # noqa: SIM115
 
+    log_lock = threading.Lock()  # uploads end on DCP's threads
+
     def log(**event: Any) -> None:
         if log_file is not None:
-            log_file.write(json.dumps({"attempt": attempt, **event}) + "\n")
-            log_file.flush()
+            with log_lock:
+                log_file.write(json.dumps({"attempt": attempt, **event}) + "\n")
+                log_file.flush()
+
+    def uploaded(step: int, begun: float, _: Any) -> None:
+        log(event="uploaded", step=step, seconds=time.perf_counter() - begun)
 
     log(event="start", process_start=PROCESS_START, pid=os.getpid())
     if rank == 0:
@@ -471,6 +483,9 @@ def main() -> None:
                     process_group=PG,
                     async_stager=stager,
                 )
+                # how long the save is in flight: the next one waits for it
+                done = saving.upload_completion if staged_async(saving) else saving
+                done.add_done_callback(partial(uploaded, step, started + waited))
             save_event = {
                 "event": "save",
                 "step": step,

@@ -131,18 +131,30 @@ def background_stager(*, share_memory: bool = False) -> AsyncStager:
             use_non_blocking_copy=accelerator,
         )
     )
-    _copy_classes_as_they_are(stager)
+    _keep_the_staging_copy(stager)
     return stager
 
 
-def _copy_classes_as_they_are(stager: Any) -> None:
-    """Give the stager's deep copy a rule for classes where it lacks one: torch 2.11's
-    ``StateDictStager`` raises ``KeyError: <class 'type'>`` on a class it meets inside an
-    object's reduction (a subclass of ``dict`` in a state dict, say); later releases copy
-    classes as they are (``copy.deepcopy`` does the same)."""
-    dispatch = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
-    if isinstance(dispatch, dict):
-        dispatch.setdefault(type, lambda x, memo: x)
+def _keep_the_staging_copy(stager: Any) -> None:
+    """Keep the stager's copy (and its deep-copy rules) from one save to the next until the
+    stager is closed. torch 2.11's ``DefaultStager`` closes its ``StateDictStager`` after
+    every save: that frees the staging copy, so each save pays for fresh memory again, and
+    clears its deep-copy rules, so the next save fails (``KeyError: <class 'type'>``). Later
+    releases keep both; there this changes nothing."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    if inner is None:
+        return
+    release = inner.close
+    inner.close = lambda: None  # what DefaultStager calls after each save
+    close = stager.close
+
+    def close_both() -> None:
+        try:
+            close()
+        finally:
+            release()
+
+    stager.close = close_both
 
 
 def accelerator_available() -> bool:

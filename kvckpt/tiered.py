@@ -111,12 +111,19 @@ class Tiers:
 
     Args:
         stores: store URLs or engines, fastest first. The first takes every save
-            synchronously; each further one gets a background copy of every checkpoint.
+            synchronously; each further one gets a background copy of every checkpoint
+            (``copy="newest"``: of the newest only, see below).
         durable: a directory; every ``durable_every``-th checkpoint is exported there as a
             standard DCP checkpoint (``<durable>/<checkpoint id>/``), from the slowest store.
         keep_last: retention applied to every store (not to ``durable``).
         replicate_timeout: seconds the coordinator waits for every rank's keys to reach a
             replica before giving up on that copy (a rank that died mid-copy).
+        copy: ``"every"`` checkpoint is copied to the further stores, in order; with
+            ``"newest"``, a save made while the copy of an earlier one is still running stays
+            in the first store only, so copies never queue up behind a training loop that saves
+            faster than they go (the further stores then hold the newest save whose copy could
+            start, at most one copy's time behind the first). The coordinator decides for every
+            rank, at the save's global plan.
         writer_options: passed to each ``KVStorageWriter`` (``checksums``, ``lease``, ...).
             Checksums default to on if any store records them by default.
     """
@@ -129,12 +136,16 @@ class Tiers:
         durable_every: int = 1,
         keep_last: int | None = None,
         replicate_timeout: float = 600.0,
+        copy: str = "every",
         **writer_options: Any,
     ) -> None:
         if not stores:
             raise ValueError("Tiers needs at least one store")
         if durable_every < 1:
             raise ValueError(f"durable_every must be >= 1, not {durable_every}")
+        if copy not in ("every", "newest"):
+            raise ValueError(f'copy must be "every" or "newest", not {copy!r}')
+        self.copy = copy
         self.engines = [open_store(s) for s in stores]
         self.durable = None if durable is None else Path(durable).absolute()
         self.durable_every = durable_every
@@ -812,7 +823,15 @@ class TieredStorageWriter(KVStorageWriter):
         plans = super().prepare_global_plan(plans)
         if not self.use_collectives or len(self.tiers.engines) == 1:
             return plans
-        self._replicas = self.tiers._register(self._require_id(), self.save_id, self.lease)
+        if self.tiers.copy == "newest" and self.tiers.busy_ids():
+            logger.info(
+                "kvckpt tiers: %r stays in %s only: the copy of an earlier save is running",
+                self._require_id(),
+                self.engine.url,
+            )
+            self._replicas = ()
+        else:
+            self._replicas = self.tiers._register(self._require_id(), self.save_id, self.lease)
         return [
             dataclasses.replace(
                 plan, storage_data=dataclasses.replace(plan.storage_data, replicas=self._replicas)
