@@ -821,7 +821,10 @@ def chart(all_results: dict[str, Any], path: Path) -> None:
 
 def run_economy(places: Places, econ: Economy, args: argparse.Namespace) -> dict[str, Any]:
     """The phases of ``--phases`` in one economy; those left out come from ``--resume``."""
-    earlier = json.loads(Path(args.resume).read_text())["economies"] if args.resume else {}
+    earlier = json.loads(Path(args.resume).read_text()) if args.resume else {}
+    if "label" in earlier:  # one economy's partial results
+        earlier = {econ.name: earlier}
+    earlier = earlier.get("economies", earlier)
     results: dict[str, Any] = {"label": econ.label, **earlier.get(econ.name, {})}
     started = time.time()
     if "intervals" in args.phases:
@@ -840,18 +843,21 @@ def failures(
     places: Places, econ: Economy, args: argparse.Namespace, results: dict[str, Any]
 ) -> None:
     auto = args.kills == "auto"
-    if auto:
+    if "kills" in results:  # continuing a cut run: its schedule
+        args.kills, args.steps = results["kills"], results["steps"]
+    elif auto:
         args.kills, args.steps = schedule(args, results["calibration"], results["first_step"])
     results["kills"], results["steps"] = args.kills, args.steps
     print(f"[{econ.name}] kills at {args.kills} s, {args.steps} steps", flush=True)
-    places.clear()
-    wait_quiet(args)
-    free = run_to_end(places, econ, "none", args, "--steps", str(args.steps), "--every", "0")
-    start = next(e["process_start"] for e in free if e["event"] == "start")
-    done = next(e["t"] for e in free if e["event"] == "done")
-    results["failure_free_seconds"] = done - start
-    results["relaunch_alone"] = with_failures(places, econ, "none", 0, "sync", args)
-    results["failures"] = {}
+    if "failure_free_seconds" not in results:  # else: the run --resume continues
+        places.clear()
+        wait_quiet(args)
+        free = run_to_end(places, econ, "none", args, "--steps", str(args.steps), "--every", "0")
+        start = next(e["process_start"] for e in free if e["event"] == "start")
+        done = next(e["t"] for e in free if e["event"] == "done")
+        results["failure_free_seconds"] = done - start
+        results["relaunch_alone"] = with_failures(places, econ, "none", 0, "sync", args)
+    results.setdefault("failures", {})
     for system in args.systems:
         chosen = results["calibration"][system]
         results["failures"][system] = with_failures(
@@ -925,7 +931,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--resume",
-        help="an earlier run's goodput.json: the phases not in --phases come from it",
+        help="an earlier run's goodput.json (or one economy's goodput-ECONOMY-partial.json): "
+        "the phases not in --phases come from it, and a cut failure phase goes on with the "
+        "--systems it has not measured",
     )
     args = ap.parse_args()
     if args.from_json:
