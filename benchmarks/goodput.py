@@ -316,8 +316,8 @@ def verify(
     places: Places, econ: Economy, args: argparse.Namespace, calibration: dict[str, Any]
 ) -> None:
     """Measure each system's overhead at its estimated interval: a run saving at the interval
-    against a run that never checkpoints, over the same number of steps (at least
-    ``--verify-steps``, and ``--calibrate-saves`` saves), the two taking turns. With
+    (over at least ``--verify-steps`` steps and ``--calibrate-saves`` saves) against the time
+    per step of a run that never checkpoints (``none_step``). With
     ``--search`` (``--verify-tries`` above 1) the interval then moves in proportion to the
     measured overhead (``next_interval``), up while above the limit, down while well under it,
     until the smallest passing interval is within 10% of the largest failing one.
@@ -345,22 +345,12 @@ def verify(
             else:
                 start, also = interval * (warm + 1), ""
             end = start + interval * saves
-            quiet = min(start, args.calibrate_every)  # the never-saving run's warm-up steps
-            spans = {}
-            for case in ("none", system):
-                places.clear()
-                wait_quiet(args)
-                if case == "none":
-                    first, how = quiet, ["--every", "0"]
-                else:
-                    first = start
-                    how = ["--every", str(interval), "--staging", chosen["mode"]]
-                    how += ["--also-save-at", also] if also else []
-                last = first + (end - start)
-                ev = run_to_end(places, econ, case, args, "--steps", str(last), *how)
-                t = step_times(ev)
-                spans[case] = t[last] - t[first]
-            overhead = spans[system] / spans["none"] - 1
+            places.clear()
+            wait_quiet(args)
+            how = ["--every", str(interval), "--staging", chosen["mode"]]
+            how += ["--also-save-at", also] if also else []
+            t = step_times(run_to_end(places, econ, system, args, "--steps", str(end), *how))
+            overhead = (t[end] - t[start]) / (end - start) / none_step(places, econ, args) - 1
             tries.append({"interval": interval, "steps": [start, end], "overhead": overhead})
             print(f"[{econ.name}] verify {system} every {interval}: {overhead:.1%}", flush=True)
             interval = next_interval(tries, args.overhead)
@@ -377,6 +367,24 @@ def verify(
         else:  # not measured at the last raise: said in the report
             chosen["interval"] = next_interval(tries, args.overhead, searching=False)
             chosen["measured_overhead"] = None
+
+
+def none_step(places: Places, econ: Economy, args: argparse.Namespace) -> float:
+    """Seconds per step of the run that never checkpoints, over ``--verify-steps`` steps after
+    ``--calibrate-every`` of warm-up; measured at the first check of an economy and again at
+    every third, so that the checks take turns with it. The median of those measured."""
+    calls, measured = _NONE_STEPS.setdefault(econ.name, [0, []])
+    _NONE_STEPS[econ.name][0] += 1
+    if calls % 3 == 0:
+        places.clear()
+        wait_quiet(args)
+        first, last = args.calibrate_every, args.calibrate_every + args.verify_steps
+        t = step_times(run_to_end(places, econ, "none", args, "--steps", str(last), "--every", "0"))
+        measured.append((t[last] - t[first]) / (last - first))
+    return statistics.median(measured)
+
+
+_NONE_STEPS: dict[str, list[Any]] = {}
 
 
 def next_interval(tries: list[dict[str, Any]], limit: float, searching: bool = True) -> int | None:
@@ -488,10 +496,13 @@ def with_failures(
     interval: int,
     mode: str,
     args: argparse.Namespace,
+    gap: float = 0.0,
 ) -> dict[str, Any]:
     """Train at ``interval`` and SIGKILL rank 0 at each of ``args.kills`` (seconds after
-    launch); a kill waits until the job is back at the step the previous kill interrupted.
-    ``system`` "none" never checkpoints: its failures measure relaunch alone."""
+    launch); a kill waits until the job is back at the step the previous kill interrupted, and
+    then ``gap`` seconds more (time for a save to commit, so that no kill finds the job with
+    nothing newer than its last restore). ``system`` "none" never checkpoints: its failures
+    measure relaunch alone."""
     places.clear()
     wait_quiet(args)
     extra = ["--steps", str(args.steps), "--staging", mode]
@@ -502,6 +513,7 @@ def with_failures(
     proc, events, log = launch(places, econ, system, args, *extra)
     kills: list[float] = []
     reached: list[int] = []
+    back_at = launched
     for attempt, at in enumerate(args.kills):
         while True:  # the running attempt, back where the previous kill found it
             ev = events_of(events)
@@ -511,7 +523,9 @@ def with_failures(
             else:
                 steps = [e["step"] for e in ev if e["event"] == "loss" and e["attempt"] == attempt]
                 back = not reached or max(steps, default=-1) >= reached[-1]
-                due = back and time.time() >= launched + at
+                if not back:
+                    back_at = time.time()
+                due = back and time.time() >= max(launched + at, back_at + gap)
             if starts and due and alive(starts[-1]["pid"]):
                 break
             if proc.poll() is not None:
@@ -576,12 +590,12 @@ def schedule(
     args: argparse.Namespace, calibration: dict[str, Any], firsts: dict[str, list[float]]
 ) -> tuple[list[float], int]:
     """Three kills, the same for every system, spaced by the longest interval's worth of
-    steps plus three times the slowest time to first step (relaunch and restore); and enough
+    steps plus twice the slowest time to first step (relaunch and restore); and enough
     steps that the job is still training after the third."""
     step = calibration["none"]["step_seconds"]
     longest = max(calibration[s]["interval"] for s in args.systems)
     slowest = max(max(v) for v in firsts.values())
-    spacing = math.ceil(longest * step + max(10.0, 3 * slowest))
+    spacing = math.ceil(longest * step + max(10.0, 2 * slowest))
     kills = [float(spacing * i) for i in (1, 2, 3)]
     return kills, max(args.steps, math.ceil(3.6 * spacing / step))
 
@@ -858,10 +872,15 @@ def failures(
         results["failure_free_seconds"] = done - start
         results["relaunch_alone"] = with_failures(places, econ, "none", 0, "sync", args)
     results.setdefault("failures", {})
+    cal = results["calibration"]
+    gap = max(
+        cal[s]["interval"] * cal["none"]["step_seconds"] + cal[s].get("in_flight_seconds", 0)
+        for s in args.systems
+    )
     for system in args.systems:
-        chosen = results["calibration"][system]
+        chosen = cal[system]
         results["failures"][system] = with_failures(
-            places, econ, system, chosen["interval"], chosen["mode"], args
+            places, econ, system, chosen["interval"], chosen["mode"], args, gap
         )
         print(f"[{econ.name}] {system}: {results['failures'][system]}", flush=True)
         # what is measured so far, should the run be cut short
