@@ -917,7 +917,7 @@ def main() -> None:
     ap.add_argument("--keep-last", type=int, default=1)
     ap.add_argument("--overhead", type=float, default=0.05)
     ap.add_argument("--calibrate-every", type=int, default=4)
-    ap.add_argument("--calibrate-warmup", type=int, default=2, help="saves before the window")
+    ap.add_argument("--calibrate-warmup", type=int, default=3, help="saves before the window")
     ap.add_argument("--calibrate-saves", type=int, default=3, help="saves in the window")
     ap.add_argument("--calibrate-rounds", type=int, default=1)
     ap.add_argument(

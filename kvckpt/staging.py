@@ -9,15 +9,15 @@ Two ways to take that copy off the training loop's path:
 - ``huge_pages`` (below), for the blocking copy into fresh memory that DCP makes by default.
 
 The copy goes into freshly allocated host memory, and on Linux the cost of that is mostly the
-kernel faulting in and zeroing 4 KiB pages, one trap per page: a 1 GiB copy ran at 1.1 GB/s on
-the development VM, against 12 GB/s for a copy into memory already in use. Asking for
+kernel faulting in and zeroing 4 KiB pages, one trap per page: a copy into fresh memory runs
+several times slower than one into memory already in use (``benchmarks/run.py`` measures
+both). Asking for
 transparent huge pages on the staging buffers (``madvise(MADV_HUGEPAGE)``, which is what a
 kernel in THP "madvise" mode, the common default, waits for) makes that one fault per 2 MiB.
-That is opt-in (``KVStorageWriter(huge_pages=True)``) because of how it measured there (7 saves
-of 1 GiB, benchmarks/run.py): the median save blocked 2.5x less, but the kernel now and then
-stalls a fault to compact memory into free 2 MiB blocks (saves of 0.8-2.2 s against DCP's
-0.4-0.5 s, most with an LMDB store filling /dev/shm), so the total blocking time came out
-anywhere from 0.9x to 1.7x DCP's. Nodes with free huge pages gain; fragmented ones can lose. The
+That is opt-in (``KVStorageWriter(huge_pages=True)``): the median save blocks less, but the
+kernel now and then stalls a fault to compact memory into free 2 MiB blocks (most with an LMDB
+store filling /dev/shm), so the total blocking time can come out above DCP's (docs/PERFORMANCE.md
+has the figures). Nodes with free huge pages gain; fragmented ones can lose. The
 buffers, their layout and their lifetime are DCP's own; this only adds the hint, and does
 nothing where the kernel does not support it (THP "always" mode already gives DCP's buffers
 huge pages; "never" gives none).
@@ -102,10 +102,10 @@ def background_stager(*, share_memory: bool = False) -> AsyncStager:
         stager.close()
 
     Why: DCP's default ``async_save`` copies the state dict into fresh host memory before it
-    returns, which on Linux mostly costs page faults (1 GiB blocked for 0.4-2 s on the
-    development VM). Here the copy goes into memory already in use and overlaps the next
-    forward and backward, so training waits only for what the copy has not finished by the
-    next ``optimizer.step()``. The checkpoint holds the state at the step it names, bit-exact.
+    returns, which on Linux mostly costs page faults. Here the copy goes into memory already
+    in use and overlaps the next forward and backward, so training waits only for what the
+    copy has not finished by the next ``optimizer.step()``. The checkpoint holds the state at
+    the step it names, bit-exact.
 
     It is DCP's ``DefaultStager`` with the options the host supports: pinned memory,
     non-blocking copies and a side stream where an accelerator is; plain memory and copies on a

@@ -173,10 +173,9 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
             across saves (``writer.reset(new_id)`` before each). The copy is pinned where an
             accelerator is, and plain memory on a CPU-only host (where DCP's own fails).
         huge_pages: ask the kernel for transparent huge pages on ``dcp.async_save``'s staging
-            copy (Linux; off by default). The median save blocks up to 2.5x less (fewer page
-            faults), but saves stall now and then while the kernel compacts memory into huge
-            pages (up to 2.2 s instead of 0.5 s for 1 GiB on the development VM, most with an
-            LMDB store on /dev/shm), which can cost more in all than it saves.
+            copy (Linux; off by default). The median save blocks less (fewer page faults), but
+            saves stall now and then while the kernel compacts memory into huge pages (most
+            with an LMDB store on /dev/shm), which can cost more in all than it saves.
     """
 
     def __init__(
@@ -266,8 +265,8 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
 
         Every save after the first writes into memory the store made ready while training ran
         (``Engine.get_ready``); the first save of a new store would otherwise allocate all of
-        its memory on the job's path (on a VM that hands out new pages slowly, 2.5 GB/s where
-        later saves run at 15). Called once the state dict exists (after building the model and
+        its memory on the job's path (slow where the machine hands out new pages slowly).
+        Called once the state dict exists (after building the model and
         optimizer), this does that work in the background during the steps before the first
         checkpoint: LMDB sizes its map for the ``keep_last + 1`` saves it will hold and
         allocates their pages on a background thread; other engines do nothing.

@@ -325,3 +325,35 @@ def test_a_new_tiers_does_not_restore_from_a_wiped_node_store(
     assert same(out, sd(1.0))
     first.close()
     second.close()
+
+
+def test_copy_newest_skips_saves_made_while_a_copy_runs(tmp_path: Path, redis_url: str) -> None:
+    """``copy="newest"``: saves that come while the copy of an earlier one is still running
+    stay in the first tier only, so copies never queue up behind a loop that saves faster than
+    they go; the next save after the copy is done is copied again."""
+    import threading
+
+    local = f"lmdb://{tmp_path / 'node'}"
+    tiers = Tiers([local, redis_url], copy="newest")
+    gate = threading.Event()
+    tiers._pool.submit(gate.wait)  # the copy of step-0 waits until the gate opens
+    for step in range(3):
+        dcp.save(sd(float(step)), storage_writer=tiers.writer(), checkpoint_id=f"step-{step}")
+    assert tiers.busy_ids() == {"step-0"}
+    gate.set()
+    tiers.wait()
+    assert [i.checkpoint_id for i in list_checkpoints(redis_url)] == ["step-0"]
+    assert [i.checkpoint_id for i in list_checkpoints(local)] == ["step-2", "step-1", "step-0"]
+    assert read_index(open_store(redis_url)).pending == {}
+    dcp.save(sd(3.0), storage_writer=tiers.writer(), checkpoint_id="step-3")
+    tiers.wait()
+    assert [i.checkpoint_id for i in list_checkpoints(redis_url)] == ["step-3", "step-0"]
+    out = sd(0.0)
+    fresh = Tiers([f"lmdb://{tmp_path / 'new-node'}", redis_url])
+    choice = fresh.restore(out)
+    assert choice is not None and (choice.checkpoint_id, choice.tier) == ("step-3", 1)
+    assert same(out, sd(3.0))
+    with pytest.raises(ValueError, match="copy must be"):
+        Tiers([local, redis_url], copy="some")
+    tiers.close()
+    fresh.close()

@@ -60,6 +60,19 @@ def check_put_get_scan_delete(open_engine: Opener) -> None:
     assert list(engine.scan("t/")) == []
 
 
+def check_borrow_lends_each_value(open_engine: Opener) -> None:
+    """``borrow`` gives each value (None for a missing key) for the length of its block."""
+    engine = open_engine()
+    values = {"b/small": b"xyz", "b/big": bytes(range(256)) * 4096}
+    engine.put_many((k, memoryview(v)) for k, v in values.items())
+    with engine.borrow(["b/big", "b/missing", "b/small"]) as views:
+        assert [None if v is None else bytes(v) for v in views] == [
+            values["b/big"],
+            None,
+            values["b/small"],
+        ]
+
+
 def check_scan_prefix_is_literal(open_engine: Opener) -> None:
     """A prefix is a literal string, never a glob pattern."""
     engine = open_engine()
@@ -175,6 +188,7 @@ def check_a_checkpoint_round_trip(open_engine: Opener) -> None:
 
 #: Every check, in the order a failing engine is easiest to debug in.
 ENGINE_CHECKS = [
+    check_borrow_lends_each_value,
     check_put_get_scan_delete,
     check_scan_prefix_is_literal,
     check_transact_is_read_modify_write,

@@ -58,8 +58,7 @@ _KEEP_IDLE = 8
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _populate_ok = sys.platform == "linux"
 #: Threads that map pages in at once: the kernel allocates, zeroes and maps each page, and
-#: several threads do that in parallel (1 GiB on a tmpfs, 2-core VM: 744 ms in one call,
-#: 384 ms in two threads).
+#: several threads do that in parallel (on a tmpfs, two threads take about half the time).
 _POPULATE_THREADS = 4
 _POPULATE_MIN_PIECE = 64 * _MIB
 #: A background fault-in (``get_ready``) maps this much at a time, checking between pieces
@@ -237,8 +236,8 @@ class _SharedEnv:
         """A map size that never shrinks the data file. With writemap, LMDB truncates the file
         to the map size whenever it maps it (open, ``set_mapsize``), and a map below the used
         pages becomes exactly the used pages. That would free the pages a store got ready for
-        its next saves (``get_ready``): 0.6 s for 4 GiB at a restart that opened with the default
-        map size, and the next saves allocating them all over again. Worse, another process of
+        its next saves (``get_ready``) at a restart that opened with the default map size, and
+        the next saves would allocate them all over again. Worse, another process of
         the node with a larger map (it grew the map and has not committed yet) would get SIGBUS
         writing past the new end of the file. Size 0 (adopt the size another process committed)
         becomes the file's size where that is larger than this process's map: a writemap
@@ -491,9 +490,8 @@ class LMDBEngine(Engine):
 
     def reserve(self, nbytes: int) -> None:
         """Grow the map and allocate the pages for ``nbytes`` in one step (see
-        ``_preallocate``): a copy of 2.11 GiB into a new store in 64 MiB batches took 1.3-4.1 s
-        allocating batch by batch, single-threaded, against 0.55 s for all of it at once on
-        two threads here."""
+        ``_preallocate``): a copy into a new store arrives in 64 MiB batches, and allocating
+        batch by batch on one thread costs several times more than all of it at once on two."""
         if nbytes <= 0:
             return
         shared = self._env
@@ -565,9 +563,7 @@ class LMDBEngine(Engine):
         LMDB can reuse is allocated, so a store in steady state (old checkpoints deleted, pages
         reused) allocates nothing. On a tmpfs with room to spare, ``fallocate`` is skipped: there
         it allocates and zeroes every page in one thread, while ``MADV_POPULATE_WRITE`` split
-        over a few threads allocates and maps them at once (1 GiB on a 2-core VM: ``fallocate``
-        then one ``MADV_POPULATE_WRITE`` 0.62 s, ``MADV_POPULATE_WRITE`` in two threads 0.38 s;
-        a first save went from 0.78-0.82 s to 0.58 s).
+        over a few threads allocates and maps them at once, in less time.
 
         It is also what keeps a full filesystem from killing the process: with ``writemap``,
         LMDB stores into the map directly, and touching a page the filesystem has no room for
