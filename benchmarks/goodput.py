@@ -33,8 +33,8 @@ set up for this host), so the systems differ only in where the bytes go. Per eco
    the extra time of the steps the next ``--calibrate-saves`` saves span, less any wait for the
    previous save's upload. Each system uses its cheaper mode, at the smallest interval whose
    estimated overhead is at most ``--overhead`` (5%) of training time; the estimate is then
-   **measured at the interval** (a run saving at it against a run that never saves), and once
-   more lower down where that came in under half the limit (a high estimate). With
+   **measured at the interval** (a run saving at it against a run that never saves); where that
+   came in under half the limit (a high estimate), twice more, moving down. With
    ``--search`` the interval then moves in proportion to the measured overhead until the
    smallest interval that passes is within 10% of the largest that fails (``--verify-tries``).
 2. **Time to first step.** A fresh start that never checkpoints, against a start that restores
@@ -259,6 +259,7 @@ def calibrate(places: Places, econ: Economy, args: argparse.Namespace) -> dict[s
     blocking: dict[str, list[float]] = {c: [] for c in cases}
     waiting: dict[str, list[float]] = {c: [] for c in cases}
     flight: dict[str, list[float]] = {c: [] for c in cases}
+    after: dict[str, list[float]] = {c: [] for c in cases}  # each save's steps, less its wait
     for rnd in range(args.calibrate_rounds):
         for case in cases[rnd % len(cases) :] + cases[: rnd % len(cases)]:  # taking turns
             system, _, mode = case.partition("/")
@@ -273,6 +274,11 @@ def calibrate(places: Places, econ: Economy, args: argparse.Namespace) -> dict[s
             ]
             blocking[case] += [e["blocking_seconds"] for e in measured]
             waiting[case] += [e["waiting_for_previous_seconds"] for e in measured]
+            after[case] += [
+                t[e["step"] + every] - t[e["step"]] - e["waiting_for_previous_seconds"]
+                for e in measured
+                if e["step"] + every in t
+            ]
             flight[case] += [  # from the save's call until its upload is done
                 e["seconds"]
                 for e in ev
@@ -283,10 +289,13 @@ def calibrate(places: Places, econ: Economy, args: argparse.Namespace) -> dict[s
     step = base / (window[1] - window[0])
     out: dict[str, dict[str, Any]] = {"none": {"step_seconds": step, "spans": spans["none"]}}
     for case in cases[1:]:
-        # Time spent waiting for the previous save's upload goes away at an interval longer
-        # than the upload: it is not counted (in the slower system's favour).
+        # Each save's cost: the time of the steps up to the next save beyond the same steps
+        # never checkpointing, less the save's wait for the previous upload (which goes away
+        # at an interval longer than the upload: in the slower system's favour). The median
+        # over the window's saves, so that one save still paying for fresh memory does not
+        # count as every save's cost.
         measured = (statistics.median(spans[case]) - base) / saves
-        per_save = max(0.0, measured - statistics.median(waiting[case]))
+        per_save = max(0.0, statistics.median(after[case]) - every * step)
         in_flight = statistics.median(flight[case])
         out[case] = {
             "spans": spans[case],
@@ -372,9 +381,9 @@ def verify(
 
 
 def _well_under(tries: list[dict[str, Any]], args: argparse.Namespace) -> bool:
-    """Whether to measure once more below a single passing check: when it came in under half
-    the limit, the estimate was high (a noisy calibration), and the interval moves down."""
-    return len(tries) == 1 and args.verify_tries > 0 and tries[0]["overhead"] < args.overhead / 2
+    """Whether to go on measuring after a first check that came in under half the limit (the
+    estimate was high): down, and once more between, three checks at most."""
+    return args.verify_tries > 0 and len(tries) < 3 and tries[0]["overhead"] < args.overhead / 2
 
 
 def none_step(places: Places, econ: Economy, args: argparse.Namespace) -> float:
