@@ -882,7 +882,7 @@ def failures(
     print(f"[{econ.name}] kills at {args.kills} s, {args.steps} steps", flush=True)
     if "failure_free_seconds" not in results:  # else: the run --resume continues
         # the never-checkpointing job's start-up and time per step, both measured above
-        fresh = statistics.median(results["first_step"][FRESH])
+        fresh = statistics.median(results.get("first_step", {}).get(FRESH) or [0.0])
         step = statistics.median(_NONE_STEPS.get(econ.name, [0, []])[1] or [0.0])
         step = step or results["calibration"]["none"]["step_seconds"]
         results["failure_free_seconds"] = fresh + (args.steps - 1) * step

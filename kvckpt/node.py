@@ -21,8 +21,9 @@ def node_id() -> str:
     return os.environ.get(NODE_ENV) or socket.gethostname()
 
 
-#: How much lower than training a background thread of kvckpt runs (``nice`` steps).
-BACKGROUND_NICENESS = 10
+#: How much lower than training a background thread of kvckpt runs (``nice`` steps);
+#: ``$KVCKPT_BACKGROUND_NICENESS`` overrides it (0: as training).
+BACKGROUND_NICENESS = int(os.environ.get("KVCKPT_BACKGROUND_NICENESS", "10"))
 
 
 def spare_cores(ranks_on_node: int | None = None) -> int:
@@ -43,6 +44,8 @@ def run_in_background() -> None:
     """Lower the calling thread's scheduling priority below training's (Linux: a thread has a
     priority of its own), so that where cores are busy a background copy waits for the
     training steps instead of slowing them. Where cores are idle it changes nothing."""
+    if BACKGROUND_NICENESS == 0:
+        return
     try:
         tid = threading.get_native_id()
         os.setpriority(
