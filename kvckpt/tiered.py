@@ -123,7 +123,8 @@ class Tiers:
             in the first store only, so copies never queue up behind a training loop that saves
             faster than they go (the further stores then hold the newest save whose copy could
             start, at most one copy's time behind the first). The coordinator decides for every
-            rank, at the save's global plan.
+            rank, at the save's global plan. A job's last save may stay in the first store
+            alone; with ``"every"`` it reaches every store.
         writer_options: passed to each ``KVStorageWriter`` (``checksums``, ``lease``, ...).
             Checksums default to on if any store records them by default.
     """

@@ -52,7 +52,9 @@ def test_save_copies_to_every_tier_and_restores_from_the_fastest(
     assert tiers.part_bytes == 256 << 10
     for step in range(4):
         dcp.save(sd(float(step)), storage_writer=tiers.writer(), checkpoint_id=f"step-{step}")
-    tiers.wait()
+        # each copy done before the next save: its keep_last may then drop the copied one
+        # (one still being copied stays until the save after it is done)
+        tiers.wait()
 
     # Both stores hold the same newest checkpoints (keep_last applies to each), under the same
     # save id and commit time; the durable directory holds every 2nd.
