@@ -873,11 +873,14 @@ def run_economy(places: Places, econ: Economy, args: argparse.Namespace) -> dict
 def failures(
     places: Places, econ: Economy, args: argparse.Namespace, results: dict[str, Any]
 ) -> None:
-    auto = args.kills == "auto"
+    auto, given = args.kills == "auto", (args.kills, args.steps)  # each economy its own
     if "kills" in results:  # continuing a cut run: its schedule
         args.kills, args.steps = results["kills"], results["steps"]
     elif auto:
         args.kills, args.steps = schedule(args, results["calibration"], results["first_step"])
+    else:  # enough steps that the job still trains at the last kill (at least --steps)
+        step = results["calibration"]["none"]["step_seconds"]
+        args.steps = max(args.steps, math.ceil((max(args.kills) + 10) * 1.5 / step))
     results["kills"], results["steps"] = args.kills, args.steps
     print(f"[{econ.name}] kills at {args.kills} s, {args.steps} steps", flush=True)
     if "failure_free_seconds" not in results:  # else: the run --resume continues
@@ -904,8 +907,7 @@ def failures(
         (Path(args.out) / f"goodput-{econ.name}-partial.json").write_text(
             json.dumps(results, indent=1)
         )
-    if auto:
-        args.kills = "auto"
+    args.kills, args.steps = given
 
 
 def main() -> None:

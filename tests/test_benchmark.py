@@ -143,7 +143,7 @@ def test_goodput_smoke_run(tmp_path) -> None:
         assert set(economy["failures"]) == {"lmdb", "tiers"}
         for system in ("lmdb", "tiers"):  # each interval was measured before the failure runs
             chosen = economy["calibration"][system]
-            assert len(chosen["verified"]) == 1
+            assert 1 <= len(chosen["verified"]) <= 3  # more only below half the limit
             assert economy["failures"][system]["interval"] == chosen["interval"]
             assert chosen["in_flight_seconds"] > 0
         for run in economy["failures"].values():
