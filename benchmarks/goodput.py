@@ -935,7 +935,13 @@ def main() -> None:
     ap.add_argument("--keep-last", type=int, default=1)
     ap.add_argument("--overhead", type=float, default=0.05)
     ap.add_argument("--calibrate-every", type=int, default=3)
-    ap.add_argument("--calibrate-warmup", type=int, default=3, help="saves before the window")
+    ap.add_argument(
+        "--calibrate-warmup",
+        type=int,
+        default=4,
+        help="saves before the window: fresh memory for the keep_last saves a store holds, the "
+        "one being written and (Tiers) the one being copied",
+    )
     ap.add_argument("--calibrate-saves", type=int, default=3, help="saves in the window")
     ap.add_argument("--calibrate-rounds", type=int, default=1)
     ap.add_argument(

@@ -816,6 +816,11 @@ class TieredStorageWriter(KVStorageWriter):
         self.part_bytes = tiers.part_bytes
         self._replicas: tuple[int, ...] = ()
 
+    def _saves_held(self) -> int | None:
+        # and the save whose background copy is running, which keep_last leaves in place
+        held = super()._saves_held()
+        return held if held is None or len(self.tiers.engines) == 1 else held + 1
+
     def _protected(self, checkpoint_id: str) -> list[str]:
         # keep_last waits for the copies and exports of earlier checkpoints still in flight
         return [checkpoint_id, *sorted(self.tiers.busy_ids())]

@@ -291,8 +291,12 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
                 shards += sum(s.tensor.nbytes for s in value.local_shards())
             else:
                 replicated += value.nbytes
-        copies = None if self.keep_last is None else self.keep_last + 1
-        self.engine.get_ready(shards + -(-replicated // world), copies)
+        self.engine.get_ready(shards + -(-replicated // world), self._saves_held())
+
+    def _saves_held(self) -> int | None:
+        """How many saves the store holds at once at most: the ``keep_last`` kept and the one
+        being written (None: no retention, no bound)."""
+        return None if self.keep_last is None else self.keep_last + 1
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.rank = kwargs.get("rank")
@@ -431,10 +435,7 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
                 else:
                     self.engine.put_many(values(), **reuse)
             self.engine.sync_replicas()
-            self.engine.get_ready(
-                sum(wr.size_in_bytes for wr in results),
-                None if self.keep_last is None else self.keep_last + 1,
-            )
+            self.engine.get_ready(sum(wr.size_in_bytes for wr in results), self._saves_held())
             if hash_in_engine:
                 results[:] = self._engine_checksums(results, digests)
             elif hash_pool is not None:

@@ -359,3 +359,20 @@ def test_copy_newest_skips_saves_made_while_a_copy_runs(tmp_path: Path, redis_ur
         Tiers([local, redis_url], copy="some")
     tiers.close()
     fresh.close()
+
+
+def test_first_tier_gets_ready_for_the_save_being_copied(tmp_path: Path, redis_url: str) -> None:
+    """The first tier holds ``keep_last`` saves, the one being written and the one whose copy
+    is still running (``keep_last`` leaves it in place): ``get_ready`` sizes it for all of
+    them, so a save made while a copy runs writes into memory made ready for it, not fresh."""
+    calls: list[tuple[int, int | None]] = []
+    local = f"lmdb://{tmp_path / 'node'}"
+    tiers = Tiers([local, redis_url], keep_last=2)
+    tiers.engines[0].get_ready = lambda nbytes, copies: calls.append((nbytes, copies))  # type: ignore[method-assign]
+    dcp.save(sd(1.0), storage_writer=tiers.writer(), checkpoint_id="step-1")
+    tiers.get_ready(sd(1.0))
+    assert [copies for _, copies in calls] == [4, 4]
+    alone = Tiers([local], keep_last=2)
+    assert alone.writer()._saves_held() == 3
+    tiers.close()
+    alone.close()
