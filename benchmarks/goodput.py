@@ -45,7 +45,9 @@ set up for this host), so the systems differ only in where the bytes go. Per eco
    is back from the one before); torchrun restarts the job. A run that never checkpoints is
    killed the same way, for the relaunch that no checkpointing system can avoid. Per failure:
    *lost* = kill -> the job is back at the step it had reached, split into relaunch (kill ->
-   the restore starts), restore and recompute. *Expected lost* puts half an interval of steps
+   the restore starts), restore and recompute; for ``Tiers`` less the time the restarted job
+   takes to delete the node-local store, which stands in for a new node (that has nothing to
+   delete). *Expected lost* puts half an interval of steps
    in the recompute's place (three kills land where they land). *Checkpoint-attributable* =
    restore + that recompute + what the system adds to relaunch over the never-checkpointing
    run's (a prefetch competing with start-up, say). *Goodput* = failure-free time (the
@@ -569,11 +571,15 @@ def with_failures(
         before = [e for e in ev if e["event"] == "loss" and e["attempt"] == attempt]
         step_reached = max((e["step"] for e in before if e["t"] < killed), default=0)
         (ready,) = [e for e in ev if e["event"] == "ready" and e["attempt"] == attempt + 1]
+        (start,) = [e for e in ev if e["event"] == "start" and e["attempt"] == attempt + 1]
+        # deleting the local store stands in for a new node, which has nothing to delete
+        wipe = start.get("wipe_seconds", 0.0)
         failure = {
             "killed_at": killed - launched,
             "step_reached": step_reached,
             "resumed_from_step": ready["step"],
-            "relaunch": ready["restore_start"] - killed,
+            "relaunch": ready["restore_start"] - killed - wipe,
+            "wipe": wipe,
         }
         if system != "none":
             back = [
@@ -589,7 +595,7 @@ def with_failures(
                 "restore": ready["restore_end"] - ready["restore_start"],
                 "load": resumed[0]["load_seconds"] if resumed else 0.0,
                 "recompute": min(back) - ready["restore_end"],
-                "lost": min(back) - killed,
+                "lost": min(back) - killed - wipe,
             }
         failures.append(failure)
     saves = [e["blocking_seconds"] for e in ev if e["event"] == "save"]
@@ -614,7 +620,7 @@ def schedule(
     slowest = max(max(v) for v in firsts.values())
     spacing = math.ceil(longest * step + max(10.0, 2 * slowest))
     kills = [float(spacing * i) for i in (1, 2, 3)]
-    return kills, max(args.steps, math.ceil(3.6 * spacing / step))
+    return kills, max(args.steps, math.ceil(3.3 * spacing / step))
 
 
 def busy_fraction(seconds: float = 1.0) -> float:

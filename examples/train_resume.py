@@ -363,10 +363,13 @@ def main() -> None:
     init_distributed("nccl" if args.economy == "cuda" else "gloo")
     rank = dist.get_rank()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    wiped = time.time()
     if attempt > 0 and args.wipe_on_restart:  # a replaced node: its local store is gone
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             shutil.rmtree(args.wipe_on_restart, ignore_errors=True)
         dist.barrier()
+    # a new node has nothing to delete: the benchmark takes this time out of the relaunch
+    wipe_seconds = time.time() - wiped
 
     # As early as possible: the newest checkpoint comes into node-local memory meanwhile.
     if args.store[0].startswith("dcp:"):
@@ -393,7 +396,7 @@ def main() -> None:
     def uploaded(step: int, begun: float, _: Any) -> None:
         log(event="uploaded", step=step, seconds=time.perf_counter() - begun)
 
-    log(event="start", process_start=PROCESS_START, pid=os.getpid())
+    log(event="start", process_start=PROCESS_START, pid=os.getpid(), wipe_seconds=wipe_seconds)
     if rank == 0:
         store.recover()
     dist.barrier()
