@@ -5,7 +5,8 @@ The pattern to copy, in the order it appears below:
 1. ``tiers = kvckpt.Tiers([...]); tiers.prefetch()`` at the top of the script: the newest
    checkpoint starts coming from the shared tier into node-local memory while the process group,
    the model and the optimizer are set up;
-2. ``tiers.latest()`` / ``dcp.load`` then read local memory;
+2. ``tiers.latest()`` / ``dcp.load`` then read local memory, and ``tiers.get_ready(state)``
+   makes the node-local store's memory ready for the saves to come while the first steps run;
 3. every ``--every`` steps, ``dcp.async_save(..., async_stager=stager)`` with one
    ``kvckpt.background_stager()`` for the whole run: the copy of the state runs on a thread during
    the next forward and backward, and the loop waits for it (``staging_completion``) only before
@@ -250,6 +251,9 @@ class DirectoryStore:
     def load(self, state: dict[str, Any], found: tuple[str, str]) -> None:
         dcp.load(state, storage_reader=dcp.FileSystemReader(found[1]))
 
+    def get_ready(self, state: dict[str, Any]) -> None:
+        pass  # DCP's writers have nothing of the kind
+
     def wait(self) -> None:
         pass
 
@@ -290,6 +294,9 @@ class KVStore:
 
     def load(self, state: dict[str, Any], found: kvckpt.Restore) -> None:
         dcp.load(state, storage_reader=self.tiers.reader(found))
+
+    def get_ready(self, state: dict[str, Any]) -> None:
+        self.tiers.get_ready(state)
 
     def wait(self) -> None:
         self.tiers.wait()
@@ -447,6 +454,9 @@ def main() -> None:
         )
         print(f"[rank {rank}] resumed from {name} ({source})", flush=True)
     log(event="ready", step=step, restore_start=restore_start, restore_end=time.time())
+    if args.every or args.also_save_at:
+        # the stores' memory for the saves to come is made ready while the first steps run
+        store.get_ready(state())
 
     also_save_at = {int(s) for s in args.also_save_at.split(",") if s}
     stager = kvckpt.background_stager() if args.staging == "background" else None
