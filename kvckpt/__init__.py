@@ -40,6 +40,7 @@ from .manage import (
     gc,
     latest_checkpoint,
     list_checkpoints,
+    remove_items,
 )
 from .stores import open_store
 
@@ -116,5 +117,6 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "open_store",
+    "remove_items",
 ]
 __version__ = "0.2.0"

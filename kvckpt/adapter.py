@@ -1,11 +1,14 @@
 """What the DCP adapter's writer (``kvckpt.writer``) and reader (``kvckpt.reader``) share:
-checkpoint ids, save ids, a tensor's bytes, and the base class that holds the engine."""
+checkpoint ids, save ids, a tensor's bytes and a tensor over bytes an engine lends, and the base
+class that holds the engine."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import uuid
 
+import numpy as np
 import torch
 
 from .engines.base import Engine
@@ -53,6 +56,24 @@ def byte_view(t: torch.Tensor) -> memoryview:
             return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
         t = t.view(as_int)
     return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
+
+
+def byte_tensor(view: memoryview) -> torch.Tensor:
+    """A uint8 tensor over ``view``'s memory (not empty), without a copy and without a warning.
+
+    Engines hand out read-only views (LMDB's memory map), and torch warns on wrapping
+    read-only memory ("The given buffer is not writable"), having no read-only tensors. kvckpt
+    only ever reads from these tensors, so a read-only view is wrapped through a writable
+    alias of the same memory instead. (``warnings.catch_warnings`` would change process-wide
+    state that ``Tiers``' background copies, in another thread, share.) The tensor keeps
+    ``view`` referenced, and is valid as long as the view is.
+    """
+    if not view.readonly:
+        return torch.frombuffer(view, dtype=torch.uint8)
+    address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    alias = (ctypes.c_ubyte * view.nbytes).from_address(address)
+    alias.source = view  # type: ignore[attr-defined]  # kept alive with the tensor
+    return torch.frombuffer(alias, dtype=torch.uint8)
 
 
 def valid_checkpoint_id(value: str | os.PathLike | None) -> str | None:

@@ -296,17 +296,44 @@ def live_readers(raw: bytes | None, now: float | None = None) -> dict[str, dict[
     }
 
 
-def hold_read_lease(
-    engine: Engine, checkpoint_id: str, token: str, lease_seconds: float | None
-) -> None:
-    """Take, renew (``lease_seconds``) or release (None) a reader's lease on a checkpoint id.
+class LeaseRenewal:
+    """Renews a lease once a third of its term has passed since it was taken or last renewed.
+
+    One rule for every lease kvckpt holds (a save's write lease, a reader's, a background
+    copy's): the holder calls it as often as its work allows (after each value or batch), and
+    only the calls that fall due reach the store."""
+
+    def __init__(self, seconds: float, renew: Callable[[], None]) -> None:
+        self.seconds = seconds
+        self._renew = renew
+        self._at = time.monotonic()
+
+    def __call__(self, force: bool = False) -> None:
+        if force or time.monotonic() - self._at > self.seconds / 3:
+            self._renew()
+            self._at = time.monotonic()
+
+
+def take_read_lease(engine: Engine, checkpoint_id: str, token: str, lease_seconds: float) -> None:
+    """Take, or renew, a reader's lease on a checkpoint id for ``lease_seconds``.
 
     A reader takes it *before* it reads the metadata, so whatever save it then finds keeps its
-    data until the lease is released or lapses: retention retires that save (its metadata goes
-    at once) and deletes the data later. One small key per checkpoint id holds every reader's
-    lease; expired ones are dropped on each update, so a reader that crashed blocks nothing
-    for longer than its lease.
+    data until the lease is released (``release_read_lease``) or lapses: retention retires that
+    save (its metadata goes at once) and deletes the data later. One small key per checkpoint
+    id holds every reader's lease; expired ones are dropped on each update, so a reader that
+    crashed blocks nothing for longer than its lease.
     """
+    _update_readers(engine, checkpoint_id, token, lease_seconds)
+
+
+def release_read_lease(engine: Engine, checkpoint_id: str, token: str) -> None:
+    """Give up a reader's lease taken with ``take_read_lease`` (nothing if it lapsed)."""
+    _update_readers(engine, checkpoint_id, token, None)
+
+
+def _update_readers(
+    engine: Engine, checkpoint_id: str, token: str, lease_seconds: float | None
+) -> None:
     key = readers_key(engine.prefix, checkpoint_id)
 
     def update(current: list[bytes | None]) -> dict[str, bytes | None]:
@@ -330,28 +357,23 @@ def hold_read_lease(
 @contextmanager
 def read_lease(
     engine: Engine, checkpoint_id: str, lease_seconds: float
-) -> Iterator[Callable[[], None]]:
-    """Hold a read lease for the duration of a block; yields a function that renews it."""
+) -> Iterator[LeaseRenewal | Callable[[], None]]:
+    """Hold a read lease for the duration of a block; yields its ``LeaseRenewal``."""
     token = _new_token()
     try:
-        hold_read_lease(engine, checkpoint_id, token, lease_seconds)
+        take_read_lease(engine, checkpoint_id, token, lease_seconds)
     except ReadOnlyStoreError:
         # A replica: nothing deletes through it, and its primary's deletions cannot see a lease
         # anyway. Read without one.
         yield lambda: None
         return
-    renewed = [time.monotonic()]
-
-    def renew() -> None:
-        if time.monotonic() - renewed[0] > lease_seconds / 3:
-            hold_read_lease(engine, checkpoint_id, token, lease_seconds)
-            renewed[0] = time.monotonic()
-
     try:
-        yield renew
+        yield LeaseRenewal(
+            lease_seconds, lambda: take_read_lease(engine, checkpoint_id, token, lease_seconds)
+        )
     finally:
         try:
-            hold_read_lease(engine, checkpoint_id, token, None)
+            release_read_lease(engine, checkpoint_id, token)
         except Exception:  # the lease lapses on its own; never mask the load's own outcome
             logger.warning("could not release a read lease on %r in %s", checkpoint_id, engine.url)
 

@@ -57,7 +57,7 @@ from .stores import open_store
     EXIT_OTHER,
 ) = range(8)
 
-#: exit code -> what it means (the table of ``kvckpt --help`` and docs/API.md)
+#: exit code -> what it means (the table of ``kvckpt --help`` and docs/reference/cli.md)
 EXIT_CODES = {
     EXIT_OK: "success",
     EXIT_VERIFY_FAILED: "verification found problems",

@@ -7,6 +7,7 @@ not be able to run code in the job that reads it. Decoding validates every field
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import re
@@ -185,13 +186,22 @@ class ItemLocation:
 
     rank: int
     #: The item's position in its rank's save plan (the order reads go in; format 1's keys).
-    n: int
+    plan_position: int
     nbytes: int
     part_bytes: int
     #: xxh3_64 of each part's bytes, or None if the save recorded no checksums.
     checksums: tuple[int, ...] | None = None
     #: The item's name in its data keys (``item_name``); None in format 1, which keys by ``n``.
     name: str | None = None
+
+    def to_fields(self) -> dict[str, Any]:
+        """This location as plain values (for msgpack); ``from_fields`` reads them back."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any]) -> ItemLocation:
+        sums = fields.get("checksums")
+        return cls(**{**fields, "checksums": None if sums is None else tuple(sums)})
 
     def split(
         self, view: memoryview, prefix: str, checkpoint_id: str, save_id: str
@@ -205,7 +215,7 @@ class ItemLocation:
         return item_keys(
             data_prefix(prefix, checkpoint_id, save_id),
             self.rank,
-            self.n if self.name is None else self.name,
+            self.plan_position if self.name is None else self.name,
             self.nbytes,
             self.part_bytes,
         )
@@ -378,7 +388,7 @@ def _encode_metadata(
             idx.fqn,
             None if idx.offset is None else list(idx.offset),
             loc.rank,
-            loc.n,
+            loc.plan_position,
             loc.nbytes,
             loc.part_bytes,
             None if loc.checksums is None else list(loc.checksums),

@@ -6,6 +6,7 @@ Everything here reads the catalog index (one key) rather than scanning data keys
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import math
 import time
@@ -19,6 +20,7 @@ from .catalog import (
     collect_retired,
     live_readers,
     pending_name,
+    publish,
     read_index,
     readers_key,
     rebuild_index,
@@ -31,6 +33,7 @@ from .errors import CheckpointNotFoundError, MetadataError, StoreNotFoundError
 from .format import (
     data_prefix,
     decode_data_keys,
+    decode_metadata,
     meta_key,
     spare_key,
     spare_prefix,
@@ -274,6 +277,53 @@ def delete_checkpoint(store: str | Engine, checkpoint_id: str, *, reuse: bool = 
         else:
             deleted += engine.delete(data_keys)
     return deleted
+
+
+def remove_items(store: str | Engine, checkpoint_id: str, fqns: Iterable[str]) -> int:
+    """Rewrite a committed checkpoint without the items named ``fqns`` (their tensors and
+    objects); returns how many data keys were deleted.
+
+    The smaller metadata is committed first (the same save and creation time, and any expiry
+    kept), and only then are the removed items' values deleted, so a new reader never finds
+    metadata without its data. Run it while nothing saves or loads this checkpoint: a load that
+    already read the old metadata fails on the removed items."""
+    engine = _engine(store)
+    where = f"checkpoint {checkpoint_id!r} in {engine.url}"
+    raw = engine.get(meta_key(engine.prefix, checkpoint_id))
+    if raw is None:
+        raise CheckpointNotFoundError(f"{where} does not exist (kvckpt list {engine.url})")
+    record = decode_metadata(raw, where=where)
+    removed = set(fqns)
+    md = record.metadata
+    kept = {i: loc for i, loc in record.locations.items() if i.fqn not in removed}
+    planner_data = md.planner_data
+    if isinstance(planner_data, dict):
+        planner_data = {k: v for k, v in planner_data.items() if k not in removed}
+    smaller = dataclasses.replace(
+        md,
+        state_dict_metadata={k: v for k, v in md.state_dict_metadata.items() if k not in removed},
+        planner_data=planner_data,
+        storage_data=kept,
+    )
+    info = next((i for i in list_checkpoints(engine) if i.checkpoint_id == checkpoint_id), None)
+    expires_at = None if info is None else info.expires_at
+    publish(
+        engine,
+        smaller,
+        kept,
+        checkpoint_id=checkpoint_id,
+        save_id=record.save_id,
+        world_size=record.world_size,
+        ttl=None if expires_at is None else max(expires_at - record.created_at, 1.0),
+        created_at=record.created_at,
+        pending=False,  # the same save, committed again smaller
+    )
+    return engine.delete(
+        key
+        for index, loc in record.locations.items()
+        if index.fqn in removed
+        for key in loc.keys(engine.prefix, checkpoint_id, record.save_id)
+    )
 
 
 def _data_key_save(prefix: str, key: str) -> tuple[str, str] | None:

@@ -21,10 +21,8 @@ Megatron.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import os
-import pickle
 import tempfile
 import threading
 import uuid
@@ -87,12 +85,13 @@ try:  # the strategy registry: deprecated in megatron-core 0.17, removed in 0.19
 except ImportError:  # pragma: no cover - megatron-core >= 0.19
     StrategyAction = None
 
-from .catalog import publish, read_lease
+from .catalog import read_lease
 from .engines.base import Engine
-from .errors import InvalidCheckpointIdError, KVCheckpointError, MetadataError, UnsafeObjectError
+from .errors import InvalidCheckpointIdError, KVCheckpointError, MetadataError
 from .format import ItemLocation
-from .manage import list_checkpoints
-from .reader import KVStorageReader, fetch_parts, plain_types_allowed, refusal
+from .manage import remove_items
+from .reader import KVStorageReader, fetch_parts
+from .safe_load import load_object
 from .stores import open_store
 from .urls import validate_name
 from .writer import KVStorageWriter
@@ -231,11 +230,7 @@ class _WriteJob:
         if isinstance(outcome, BaseException):
             doc: dict[str, Any] = {"error": f"{type(outcome).__name__}: {outcome}"}
         else:
-            doc = {
-                "results": [
-                    [wr.size_in_bytes, dataclasses.asdict(wr.storage_data)] for wr in outcome
-                ]
-            }
+            doc = {"results": [[wr.size_in_bytes, wr.storage_data.to_fields()] for wr in outcome]}
         tmp = f"{results_path}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
@@ -268,14 +263,7 @@ class _WriteJob:
                 WriteResult(
                     index=item.index,
                     size_in_bytes=size,
-                    storage_data=ItemLocation(
-                        **{
-                            **loc,
-                            "checksums": None
-                            if loc["checksums"] is None
-                            else tuple(loc["checksums"]),
-                        }
-                    ),
+                    storage_data=ItemLocation.from_fields(loc),
                 )
                 for item, (size, loc) in zip(self.plan.items, doc["results"], strict=True)
             ]
@@ -636,13 +624,9 @@ class KVLoadShardedStrategy(TorchDistLoadShardedStrategy):
         return found
 
     def remove_sharded_tensors(self, checkpoint_dir: str | os.PathLike, key_prefix: str) -> None:
-        """Remove every tensor and sharded object whose key starts with ``key_prefix``.
-
-        The smaller metadata is committed (same save, same creation time) before the removed
-        items' data is deleted, so a new reader never finds metadata without its data. Run it
-        while nothing saves or loads this checkpoint: a load that already read the old
-        metadata fails on the removed items.
-        """
+        """Remove every tensor and sharded object whose key starts with ``key_prefix``
+        (``kvckpt.remove_items``: the smaller metadata is committed before the removed items'
+        data is deleted). Run it while nothing saves or loads this checkpoint."""
         checkpoint_id = checkpoint_id_for(checkpoint_dir, self.checkpoint_id)
         record = self.reader(checkpoint_dir).read_record()
         md = record.metadata
@@ -656,40 +640,7 @@ class KVLoadShardedStrategy(TorchDistLoadShardedStrategy):
                 stacklevel=2,
             )
             return
-        kept = {i: loc for i, loc in record.locations.items() if i.fqn not in removed}
-        planner_data = md.planner_data
-        if isinstance(planner_data, dict):
-            planner_data = {k: v for k, v in planner_data.items() if k not in removed}
-        smaller = Metadata(
-            state_dict_metadata={
-                k: v for k, v in md.state_dict_metadata.items() if k not in removed
-            },
-            planner_data=planner_data,
-            storage_data=kept,
-            storage_meta=md.storage_meta,
-            version=md.version,
-        )
-        info = next(
-            (i for i in list_checkpoints(self.engine) if i.checkpoint_id == checkpoint_id), None
-        )
-        expires_at = None if info is None else info.expires_at
-        publish(
-            self.engine,
-            smaller,
-            kept,
-            checkpoint_id=checkpoint_id,
-            save_id=record.save_id,
-            world_size=record.world_size,
-            ttl=None if expires_at is None else max(expires_at - record.created_at, 1.0),
-            created_at=record.created_at,
-            pending=False,  # the same save, committed again smaller
-        )
-        self.engine.delete(
-            key
-            for index, loc in record.locations.items()
-            if index.fqn in removed
-            for key in loc.keys(self.engine.prefix, checkpoint_id, record.save_id)
-        )
+        remove_items(self.engine, checkpoint_id, removed)
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         if loaded_backend != BACKEND:
@@ -755,18 +706,13 @@ class KVLoadCommonStrategy(LoadCommonStrategy):
 
             fetch_parts(self.engine, record, [(index, loc)], copy, verify=reader.verify)
         _common_loaded[(self.engine.url, checkpoint_id)] = record.save_id
-        if not self.weights_only:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-        try:
-            with plain_types_allowed():
-                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise UnsafeObjectError(
-                f"the Megatron common state of {where} cannot be loaded under "
-                f"torch.load(weights_only=True) rules: {refusal(e)}. Allow its types with "
-                "torch.serialization.add_safe_globals([...]), or, if you trust everyone who can "
-                "write there, pass KVLoadCommonStrategy(..., weights_only=False)."
-            ) from None
+        return load_object(
+            data,
+            weights_only=self.weights_only,
+            what=f"the Megatron common state of {where}",
+            opt_out="KVLoadCommonStrategy(..., weights_only=False)",
+            map_location="cpu",
+        )
 
     def load_sharded_objects(
         self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike

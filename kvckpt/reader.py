@@ -1,23 +1,20 @@
-"""The DCP adapter's reader: ``KVStorageReader``, and the safe loading of objects.
+"""The DCP adapter's reader: ``KVStorageReader``.
 
 On load it copies each stored value straight from the engine's buffer into the planner's
 destination tensor (narrowing it when the load reshards), and loads non-tensor objects under
-``torch.load(weights_only=True)`` rules.
+``torch.load(weights_only=True)`` rules (``kvckpt.safe_load``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import io
 import logging
 import os
-import re
 import sys
-import threading
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,11 +35,11 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .adapter import KVStorageBase, byte_view, new_save_id, valid_checkpoint_id
+from .adapter import KVStorageBase, byte_tensor, byte_view, new_save_id, valid_checkpoint_id
 from .catalog import (
     read_lease,
 )
-from .engines.base import Engine, byte_tensor
+from .engines.base import Engine
 from .errors import (
     CheckpointNotFoundError,
     DataError,
@@ -50,7 +47,6 @@ from .errors import (
     KVCheckpointError,
     MetadataError,
     ShapeMismatchError,
-    UnsafeObjectError,
 )
 from .format import (
     CheckpointRecord,
@@ -64,6 +60,7 @@ from .format import (
     parse_meta_key,
     part_ranges,
 )
+from .safe_load import check_weights_only
 from .stores import open_store
 
 logger = logging.getLogger(__name__)
@@ -377,24 +374,6 @@ class KVStorageReader(KVStorageBase, StorageReader):
             )
 
 
-#: Plain types that torch's ``weights_only`` rules refuse although rebuilding one runs no code
-#: (each is made from bytes, numbers or other already-checked values), and that DCP users keep
-#: in state dicts: ``io.BytesIO`` holds opaque blobs in PyTorch's own DCP tests and torchtitan's
-#: older ``TrainState``; ``frozenset`` and ``datetime`` values turn up in training state. Not
-#: ``collections.deque`` (the restricted unpickler cannot rebuild it) nor ``defaultdict`` (it
-#: keeps a callable that later runs on a missing key).
-SAFE_OBJECT_TYPES: tuple[type, ...] = (
-    io.BytesIO,
-    frozenset,
-    datetime.date,
-    datetime.datetime,
-    datetime.time,
-    datetime.timedelta,
-    datetime.timezone,
-)
-_safe_types_lock = threading.Lock()
-
-
 def _calling_load_planner() -> LoadPlanner | None:
     """The planner of the ``dcp.load`` that called ``set_up_storage_reader``, or None.
 
@@ -414,50 +393,15 @@ def _calling_load_planner() -> LoadPlanner | None:
     return None
 
 
-@contextlib.contextmanager
-def plain_types_allowed() -> Iterator[None]:
-    """torch's ``weights_only`` allowlist plus ``SAFE_OBJECT_TYPES`` while the block runs.
-
-    torch's allowlist is process-wide, so the block holds a lock, and adds (and afterwards
-    removes) only the types the user has not registered with ``add_safe_globals`` already."""
-    with _safe_types_lock:
-        present = set(torch.serialization.get_safe_globals())
-        with torch.serialization.safe_globals([t for t in SAFE_OBJECT_TYPES if t not in present]):
-            yield
-
-
-def refusal(e: Exception) -> str:
-    """The sentence of torch's long ``weights_only`` error that names what was refused (the
-    type or function), in full; any other error's whole message, on one line."""
-    text = str(e)
-    found = re.search(r"WeightsUnpickler error: (.*?)(?:\. Please|$)", text, re.M) or re.search(
-        r"^\s*(Trying to load unsupported .*?)\.?\s*$", text, re.M
-    )
-    return found.group(1).strip() if found else f"{type(e).__name__}: {' '.join(text.split())}"
-
-
-def check_weights_only(data: bytes, what: str, opt_out: str) -> None:
-    """Refuse an object value that ``torch.load(weights_only=True)`` would not load (with
-    ``SAFE_OBJECT_TYPES`` allowed): DCP's planners unpickle object items without restriction,
-    so this check comes first. The error names ``what`` was refused, the refused type, and
-    ``opt_out``, the way out that fits the API in use."""
-    try:
-        with plain_types_allowed():
-            torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as e:
-        raise UnsafeObjectError(
-            f"{what} cannot be loaded under torch.load(weights_only=True) rules: {refusal(e)}. "
-            "Allow the types you expect with torch.serialization.add_safe_globals([...]), or, "
-            f"if you trust everyone who can write there, pass {opt_out}."
-        ) from None
-
-
 def key_fqn(items: list[_ItemRead], key: str) -> str:
     """The fqn a data key belongs to (for error messages only)."""
     rank, name = key.split("/")[-3:-1]
     for item in items:
         loc = item.loc
-        if (str(loc.rank), str(loc.n) if loc.name is None else loc.name) == (rank, name):
+        if (str(loc.rank), str(loc.plan_position) if loc.name is None else loc.name) == (
+            rank,
+            name,
+        ):
             return item.index.fqn
     return "?"
 

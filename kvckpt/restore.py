@@ -46,9 +46,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .adapter import KVStorageBase, byte_view, new_save_id, valid_checkpoint_id
+from .adapter import KVStorageBase, byte_tensor, byte_view, new_save_id, valid_checkpoint_id
 from .catalog import read_lease
-from .engines.base import Engine, byte_tensor
+from .engines.base import Engine
 from .errors import (
     CheckpointNotFoundError,
     KVCheckpointError,

@@ -96,13 +96,11 @@ def open_store(store: str | Engine, *, create: bool = True) -> Engine:
     >>> open_store("redis://:pw@redis-host:6379/0?prefix=run7")  # doctest: +SKIP
     """
     if not isinstance(store, str):
-        if isinstance(store, Engine) or all(
-            callable(getattr(store, m, None))
-            for m in ("put_many", "get_many", "get", "scan", "delete", "transact")
-        ):
+        if isinstance(store, Engine):
             return store
         raise TypeError(
-            f"store must be a URL string or an engine object, not {type(store).__name__}"
+            f"store must be a URL string or a kvckpt.Engine, not {type(store).__name__} "
+            "(an engine subclasses kvckpt.Engine: CONTRIBUTING.md, 'Add an engine')"
         )
     scheme = store.split("://", 1)[0].lower() if "://" in store else ""
     if not scheme:

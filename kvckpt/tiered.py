@@ -39,10 +39,9 @@ import shutil
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +53,13 @@ from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 from torch.futures import Future as TorchFuture
 
 from .catalog import (
-    hold_read_lease,
+    LeaseRenewal,
     mark_pending,
     publish,
     read_lease,
     record_share,
+    release_read_lease,
+    take_read_lease,
     unregister,
 )
 from .engines.base import Engine
@@ -66,22 +67,18 @@ from .errors import KVCheckpointError, ReplicationError
 from .format import (
     CheckpointRecord,
     ItemLocation,
-    checksum,
-    new_checksum,
     part_ranges,
-    spare_key,
 )
 from .manage import NEVER, discard_save, gc, list_checkpoints
 from .node import node_id, run_in_background, spare_cores
-from .reader import KVStorageReader, corrupted, damaged, read_checked
+from .reader import KVStorageReader
 from .restore import RestoreStats, TieredStorageReader
 from .stores import open_store
-from .transfer import DirectoryReader, export_checkpoint
-from .writer import KVStorageWriter, _PlanData
+from .transfer import DirectoryReader, copy_values, export_checkpoint
+from .writer import KVStorageWriter, SavePlanData
 
 logger = logging.getLogger(__name__)
 
-_COPY_BATCH = 64 << 20
 #: written into each durable checkpoint directory: the time the checkpoint was taken
 DURABLE_INFO = "kvckpt.json"
 
@@ -202,18 +199,15 @@ class Tiers:
         of the save from any other retention (``gc``, a re-save of the id) meanwhile."""
         token = os.urandom(8).hex()
         engine = self.engines[0]
-        hold_read_lease(engine, checkpoint_id, token, self.replicate_timeout)
+        take_read_lease(engine, checkpoint_id, token, self.replicate_timeout)
         with self._lock:
             self._busy[checkpoint_id] += 1
 
         def run() -> None:
-            renewed = [time.monotonic()]
-
-            def renew(force: bool = False) -> None:
-                if force or time.monotonic() - renewed[0] > self.replicate_timeout / 3:
-                    hold_read_lease(engine, checkpoint_id, token, self.replicate_timeout)
-                    renewed[0] = time.monotonic()
-
+            renew = LeaseRenewal(
+                self.replicate_timeout,
+                lambda: take_read_lease(engine, checkpoint_id, token, self.replicate_timeout),
+            )
             self._renew_lease = renew
             try:
                 renew(force=True)  # the job may have waited in the queue
@@ -230,7 +224,7 @@ class Tiers:
                     if not self._busy[checkpoint_id]:
                         del self._busy[checkpoint_id]
                 try:
-                    hold_read_lease(engine, checkpoint_id, token, None)
+                    release_read_lease(engine, checkpoint_id, token)
                 except KVCheckpointError as e:  # it lapses by itself
                     logger.warning("could not release a read lease in %s: %s", engine.url, e)
 
@@ -265,6 +259,59 @@ class Tiers:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+
+    # -- replication: what a TieredStorageWriter asks of its Tiers -----------------------------
+
+    def plan_copies(self, checkpoint_id: str, save_id: str, lease: float) -> tuple[int, ...]:
+        """On the coordinator, at a save's global plan (before any rank writes): the tiers the
+        save will be copied to, each with the save registered as pending there; none with
+        ``copy="newest"`` while the copy of an earlier save still runs: the save stays in the
+        first tier."""
+        if self.copy == "newest" and self.busy_ids():
+            logger.info(
+                "kvckpt tiers: %r stays in %s only: the copy of an earlier save is running",
+                checkpoint_id,
+                self.engines[0].url,
+            )
+            return ()
+        return self._register(checkpoint_id, save_id, lease)
+
+    def copy_in_background(
+        self,
+        checkpoint_id: str,
+        save_id: str,
+        replicas: tuple[int, ...],
+        locations: list[ItemLocation],
+    ) -> None:
+        """On each rank, once its values are in the first tier: queue their copy to the tiers
+        ``replicas`` (``plan_copies``)."""
+        self._submit(
+            self._copy_keys, replicas, locations, checkpoint_id=checkpoint_id, save_id=save_id
+        )
+
+    def commit_in_background(
+        self,
+        checkpoint_id: str,
+        save_id: str,
+        replicas: tuple[int, ...],
+        metadata: Metadata,
+        locations: dict[MetadataIndex, ItemLocation],
+        world_size: int,
+        created_at: float,
+    ) -> None:
+        """On the coordinator, once the save is committed in the first tier: queue its commit
+        in each of ``replicas`` (after every rank's values are there) and its export to the
+        durable directory where one is due."""
+        self._submit(
+            self._commit_copies,
+            replicas,
+            metadata,
+            locations,
+            world_size,
+            created_at,
+            checkpoint_id=checkpoint_id,
+            save_id=save_id,
+        )
 
     def _register(self, checkpoint_id: str, save_id: str, lease: float) -> tuple[int, ...]:
         """Register a save as pending in every replica (before any rank writes); the tiers that
@@ -643,129 +690,6 @@ class Tiers:
         return choice
 
 
-def copy_values(
-    src: Engine,
-    dsts: Sequence[Engine],
-    checkpoint_id: str,
-    save_id: str,
-    locations: Sequence[ItemLocation],
-    renew: Callable[[], None],
-) -> None:
-    """Copy the values of a save's items from ``src`` to each of ``dsts`` under the same keys,
-    in batches of at most 64 MiB; ``renew`` is called after each batch (the caller's read
-    lease).
-
-    From a store that lends its own memory (``Engine.zero_copy_reads``: LMDB's map) the values
-    are sent straight from it, each byte read once; from any other they are read into one
-    reused buffer first. Every value is checked: a missing or wrongly sized one raises
-    ``DataError`` before its batch is written, and one that does not match the checksum its
-    save recorded (where ``locations`` carry checksums) ``IntegrityError``, both naming the
-    checkpoint, the key and ``src``. Checksums are computed as the bytes go out where the
-    destination hashes while writing, else before they are sent. A failed copy never commits:
-    the caller discards what was written."""
-    # (source key, destination keys, size, checksum) of every part
-    parts: list[_Part] = []
-    for loc in locations:
-        src_keys = loc.keys(src.prefix, checkpoint_id, save_id)
-        dst_keys = [loc.keys(dst.prefix, checkpoint_id, save_id) for dst in dsts]
-        for p, (a, b) in enumerate(part_ranges(loc.nbytes, loc.part_bytes)):
-            expected = loc.checksums[p] if loc.checksums else None
-            parts.append(_Part(src_keys[p], [keys[p] for keys in dst_keys], b - a, expected))
-    total = sum(part.size for part in parts)
-    for dst in dsts:
-        dst.reserve(total)  # room for every batch at once, not batch by batch
-    buffer = None
-    if not src.zero_copy_reads:
-        largest = max((part.size for part in parts), default=0)
-        buffer = memoryview(bytearray(max(min(_COPY_BATCH, total), largest)))
-    for batch in _batches(parts):
-        keys = [part.src_key for part in batch]
-        sums = [part.checksum for part in batch]
-        if buffer is None:
-            with src.borrow(keys) as lent:
-                views: list[memoryview] = []
-                for part, view in zip(batch, lent, strict=True):
-                    if view is None or view.nbytes != part.size:
-                        got = None if view is None else view.nbytes
-                        raise damaged(src, checkpoint_id, part.src_key, None, got, part.size)
-                    views.append(view)
-                _send(src, dsts, checkpoint_id, batch, views, verify=True)
-        else:
-            views, offset = [], 0
-            for part in batch:
-                views.append(buffer[offset : offset + part.size])
-                offset += part.size
-            read_checked(src, checkpoint_id, keys, views, sums, lambda i: None)
-            _send(src, dsts, checkpoint_id, batch, views, verify=False)
-        renew()
-    for dst in dsts:
-        dst.sync_replicas()
-
-
-@dataclass(frozen=True)
-class _Part:
-    """One value a copy moves: its key in the source, in each destination, size, checksum."""
-
-    src_key: str
-    dst_keys: list[str]
-    size: int
-    checksum: int | None
-
-
-def _batches(parts: list[_Part]) -> Iterator[list[_Part]]:
-    """Consecutive runs of ``parts`` of at most ``_COPY_BATCH`` bytes (a larger part alone)."""
-    start = 0
-    while start < len(parts):
-        stop, size = start, 0
-        while stop < len(parts) and (stop == start or size + parts[stop].size <= _COPY_BATCH):
-            size += parts[stop].size
-            stop += 1
-        yield parts[start:stop]
-        start = stop
-
-
-def _send(
-    src: Engine,
-    dsts: Sequence[Engine],
-    checkpoint_id: str,
-    batch: list[_Part],
-    views: list[memoryview],
-    *,
-    verify: bool,
-) -> None:
-    """Write one batch into each destination; with ``verify``, check each value against its
-    checksum on the way (hashed as the first destination sends it, where it can)."""
-    unchecked = [i for i, part in enumerate(batch) if verify and part.checksum is not None]
-    for t, dst in enumerate(dsts):
-        items = ((part.dst_keys[t], view) for part, view in zip(batch, views, strict=True))
-        # over the spares of the checkpoint the replica's retention dropped, where it can
-        reuse = {"spare_of": partial(spare_key, dst.prefix)} if dst.reuses_values else {}
-        if unchecked and not dst.hashes_while_writing:
-            _check(src, checkpoint_id, batch, {i: checksum(views[i]) for i in unchecked})
-            unchecked = []
-        if unchecked:
-            digests: dict[int, int | None] = {}
-            dst.put_many(items, on_value=digests.__setitem__, hasher=new_checksum, **reuse)  # type: ignore[call-arg]
-            found = {i: _or_hash(digests.get(i), views[i]) for i in unchecked}
-            _check(src, checkpoint_id, batch, found)
-            unchecked = []
-        else:
-            dst.put_many(items, **reuse)
-    if unchecked:  # no destination
-        _check(src, checkpoint_id, batch, {i: checksum(views[i]) for i in unchecked})
-
-
-def _or_hash(digest: int | None, view: memoryview) -> int:
-    """The digest a destination reported, or (where it reported none) the view's checksum."""
-    return checksum(view) if digest is None else digest
-
-
-def _check(src: Engine, checkpoint_id: str, batch: list[_Part], digests: dict[int, int]) -> None:
-    for i, digest in digests.items():
-        if digest != batch[i].checksum:
-            raise corrupted(src, checkpoint_id, batch[i].src_key, None)
-
-
 def _not_held(
     engine: Engine, record: CheckpointRecord, locs: list[ItemLocation]
 ) -> list[ItemLocation]:
@@ -829,15 +753,7 @@ class TieredStorageWriter(KVStorageWriter):
         plans = super().prepare_global_plan(plans)
         if not self.use_collectives or len(self.tiers.engines) == 1:
             return plans
-        if self.tiers.copy == "newest" and self.tiers.busy_ids():
-            logger.info(
-                "kvckpt tiers: %r stays in %s only: the copy of an earlier save is running",
-                self._require_id(),
-                self.engine.url,
-            )
-            self._replicas = ()
-        else:
-            self._replicas = self.tiers._register(self._require_id(), self.save_id, self.lease)
+        self._replicas = self.tiers.plan_copies(self._require_id(), self.save_id, self.lease)
         return [
             dataclasses.replace(
                 plan, storage_data=dataclasses.replace(plan.storage_data, replicas=self._replicas)
@@ -847,14 +763,13 @@ class TieredStorageWriter(KVStorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         fut = super().write_data(plan, planner)
-        where: _PlanData = plan.storage_data
+        where: SavePlanData = plan.storage_data
         if where.replicas:
-            self.tiers._submit(
-                self.tiers._copy_keys,
+            self.tiers.copy_in_background(
+                self._require_id(),
+                where.save_id,
                 where.replicas,
                 [wr.storage_data for wr in fut.wait()],
-                checkpoint_id=self._require_id(),
-                save_id=where.save_id,
             )
         return fut
 
@@ -863,15 +778,12 @@ class TieredStorageWriter(KVStorageWriter):
         if not self.use_collectives or not (self._replicas or self.tiers.durable is not None):
             return
         assert self.committed_at is not None
-        locations = {wr.index: wr.storage_data for rank in results for wr in rank}
-        world_size = self._world_size(results)
-        self.tiers._submit(
-            self.tiers._commit_copies,
+        self.tiers.commit_in_background(
+            self._require_id(),
+            self.save_id,
             self._replicas,
             metadata,
-            locations,
-            world_size,
+            {wr.index: wr.storage_data for rank in results for wr in rank},
+            self._world_size(results),
             self.committed_at,
-            checkpoint_id=self._require_id(),
-            save_id=self.save_id,
         )

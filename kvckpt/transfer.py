@@ -18,8 +18,9 @@ import os
 import pickle
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -50,9 +51,12 @@ from .format import (
     chunk_of,
     chunk_table,
     index_name,
+    new_checksum,
     part_ranges,
+    spare_key,
 )
-from .reader import KVStorageReader, check_weights_only, read_checked
+from .reader import KVStorageReader, corrupted, damaged, read_checked
+from .safe_load import check_weights_only
 from .stores import open_store
 from .urls import validate_name
 from .writer import tensor_bytes
@@ -109,7 +113,7 @@ def read_items(
     checksum raises ``IntegrityError``. Nothing of a batch is yielded before all of it passed.
     """
     limit = _BATCH_BYTES if batch_bytes is None else batch_bytes
-    items = sorted(record.locations.items(), key=lambda kv: (kv[1].rank, kv[1].n))
+    items = sorted(record.locations.items(), key=lambda kv: (kv[1].rank, kv[1].plan_position))
     start = 0
     while start < len(items):
         stop, size = start, 0
@@ -368,18 +372,157 @@ def _copy_data(
                 if loc.checksums is not None and ranges == part_ranges(loc.nbytes, loc.part_bytes):
                     # The same parts: the checksums the save recorded, which the read checked.
                     new = ItemLocation(
-                        loc.rank, loc.n, loc.nbytes, part_bytes, loc.checksums, index_name(index)
+                        loc.rank,
+                        loc.plan_position,
+                        loc.nbytes,
+                        part_bytes,
+                        loc.checksums,
+                        index_name(index),
                     )
                 else:
                     # Parts of another size: checksums of the bytes just checked (or, from a
                     # source without any, where the destination records them by default).
                     sums = loc.checksums is not None or dst.checksums_by_default
-                    new = located(index, loc.rank, loc.n, view, part_bytes, sums=sums)
+                    new = located(index, loc.rank, loc.plan_position, view, part_bytes, sums=sums)
                 locations[index] = new
                 yield from new.split(view, dst.prefix, target, save_id)
                 bar.update(loc.nbytes)
 
     dst.put_many(values())
+
+
+# -- the copy of a save's values between stores (Tiers' background copies, prefetch) --------
+
+_COPY_BATCH = 64 << 20
+
+
+def copy_values(
+    src: Engine,
+    dsts: Sequence[Engine],
+    checkpoint_id: str,
+    save_id: str,
+    locations: Sequence[ItemLocation],
+    renew: Callable[[], None],
+) -> None:
+    """Copy the values of a save's items from ``src`` to each of ``dsts`` under the same keys,
+    in batches of at most 64 MiB; ``renew`` is called after each batch (the caller's read
+    lease).
+
+    From a store that lends its own memory (``Engine.zero_copy_reads``: LMDB's map) the values
+    are sent straight from it, each byte read once; from any other they are read into one
+    reused buffer first. Every value is checked: a missing or wrongly sized one raises
+    ``DataError`` before its batch is written, and one that does not match the checksum its
+    save recorded (where ``locations`` carry checksums) ``IntegrityError``, both naming the
+    checkpoint, the key and ``src``. Checksums are computed as the bytes go out where the
+    destination hashes while writing, else before they are sent. A failed copy never commits:
+    the caller discards what was written."""
+    # (source key, destination keys, size, checksum) of every part
+    parts: list[_Part] = []
+    for loc in locations:
+        src_keys = loc.keys(src.prefix, checkpoint_id, save_id)
+        dst_keys = [loc.keys(dst.prefix, checkpoint_id, save_id) for dst in dsts]
+        for p, (a, b) in enumerate(part_ranges(loc.nbytes, loc.part_bytes)):
+            expected = loc.checksums[p] if loc.checksums else None
+            parts.append(_Part(src_keys[p], [keys[p] for keys in dst_keys], b - a, expected))
+    total = sum(part.size for part in parts)
+    for dst in dsts:
+        dst.reserve(total)  # room for every batch at once, not batch by batch
+    buffer = None
+    if not src.zero_copy_reads:
+        largest = max((part.size for part in parts), default=0)
+        buffer = memoryview(bytearray(max(min(_COPY_BATCH, total), largest)))
+    for batch in _batches(parts):
+        keys = [part.src_key for part in batch]
+        sums = [part.checksum for part in batch]
+        if buffer is None:
+            with src.borrow(keys) as lent:
+                views: list[memoryview] = []
+                for part, view in zip(batch, lent, strict=True):
+                    if view is None or view.nbytes != part.size:
+                        got = None if view is None else view.nbytes
+                        raise damaged(src, checkpoint_id, part.src_key, None, got, part.size)
+                    views.append(view)
+                _send(src, dsts, checkpoint_id, batch, views, verify=True)
+        else:
+            views, offset = [], 0
+            for part in batch:
+                views.append(buffer[offset : offset + part.size])
+                offset += part.size
+            read_checked(src, checkpoint_id, keys, views, sums, lambda i: None)
+            _send(src, dsts, checkpoint_id, batch, views, verify=False)
+        renew()
+    for dst in dsts:
+        dst.sync_replicas()
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One value a copy moves: its key in the source, in each destination, size, checksum."""
+
+    src_key: str
+    dst_keys: list[str]
+    size: int
+    checksum: int | None
+
+
+def _batches(parts: list[_Part]) -> Iterator[list[_Part]]:
+    """Consecutive runs of ``parts`` of at most ``_COPY_BATCH`` bytes (a larger part alone)."""
+    start = 0
+    while start < len(parts):
+        stop, size = start, 0
+        while stop < len(parts) and (stop == start or size + parts[stop].size <= _COPY_BATCH):
+            size += parts[stop].size
+            stop += 1
+        yield parts[start:stop]
+        start = stop
+
+
+def _send(
+    src: Engine,
+    dsts: Sequence[Engine],
+    checkpoint_id: str,
+    batch: list[_Part],
+    views: list[memoryview],
+    *,
+    verify: bool,
+) -> None:
+    """Write one batch into each destination; with ``verify``, check each value against its
+    checksum on the way (hashed as the first destination sends it, where it can)."""
+    unchecked = [i for i, part in enumerate(batch) if verify and part.checksum is not None]
+    for t, dst in enumerate(dsts):
+        items = ((part.dst_keys[t], view) for part, view in zip(batch, views, strict=True))
+        if unchecked and not dst.hashes_while_writing:
+            _check(src, checkpoint_id, batch, {i: checksum(views[i]) for i in unchecked})
+            unchecked = []
+        digests: dict[int, int | None] = {}
+        dst.put_many(
+            items,
+            on_value=digests.__setitem__ if unchecked else None,
+            hasher=new_checksum if unchecked else None,
+            # over the spares of the checkpoint the replica's retention dropped, where it can
+            spare_of=partial(spare_key, dst.prefix),
+        )
+        if unchecked:
+            _check(
+                src,
+                checkpoint_id,
+                batch,
+                {i: _or_hash(digests.get(i), views[i]) for i in unchecked},
+            )
+            unchecked = []
+    if unchecked:  # no destination
+        _check(src, checkpoint_id, batch, {i: checksum(views[i]) for i in unchecked})
+
+
+def _or_hash(digest: int | None, view: memoryview) -> int:
+    """The digest a destination reported, or (where it reported none) the view's checksum."""
+    return checksum(view) if digest is None else digest
+
+
+def _check(src: Engine, checkpoint_id: str, batch: list[_Part], digests: dict[int, int]) -> None:
+    for i, digest in digests.items():
+        if digest != batch[i].checksum:
+            raise corrupted(src, checkpoint_id, batch[i].src_key, None)
 
 
 # -- export / import of DCP directories -----------------------------------------------------

@@ -13,7 +13,6 @@ import functools
 import io
 import logging
 import os
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future as Future_
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +36,7 @@ from torch.futures import Future
 
 from .adapter import KVStorageBase, byte_view, new_save_id, valid_checkpoint_id
 from .catalog import (
+    LeaseRenewal,
     mark_pending,
     publish,
     read_index,
@@ -83,7 +83,7 @@ def _with_checksums(result: WriteResult, checksums: tuple[int, ...]) -> WriteRes
         size_in_bytes=result.size_in_bytes,
         storage_data=ItemLocation(
             rank=loc.rank,
-            n=loc.n,
+            plan_position=loc.plan_position,
             nbytes=loc.nbytes,
             part_bytes=loc.part_bytes,
             checksums=checksums,
@@ -93,17 +93,17 @@ def _with_checksums(result: WriteResult, checksums: tuple[int, ...]) -> WriteRes
 
 
 @dataclass(frozen=True)
-class _PlanData:
+class SavePlanData:
     """``SavePlan.storage_data``: which save and rank a plan's keys belong to."""
 
     save_id: str
     rank: int
     session: str | None = None  # the store's session id when the save started
     replicas: tuple[int, ...] = ()  # tiers (``kvckpt.Tiers``) this save is copied to
-    #: a node-local engine: the coordinator's store (``_store_identity``) and the saves it
-    #: keeps, so that ranks writing to another node's store can trim it (``tidy_remote_store``)
-    origin: str | None = None
-    live: tuple[tuple[str, str], ...] = ()
+    #: with a node-local engine: the coordinator's store (``_store_identity``) and the saves
+    #: it keeps, so that ranks writing to another node's store can trim it (``tidy_remote_store``)
+    coordinator_store: str | None = None
+    coordinator_saves: tuple[tuple[str, str], ...] = ()
 
 
 def _store_identity(engine: Engine) -> str | None:
@@ -208,7 +208,7 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         if ttl is not None:
             if ttl <= 0:
                 raise ValueError(f"ttl must be positive, not {ttl}")
-            if not getattr(self.engine, "supports_ttl", False):
+            if not self.engine.supports_ttl:
                 raise ValueError(
                     f"ttl= needs an engine whose keys can expire (Redis); {self.engine.url} "
                     "cannot. Use keep_last= or kvckpt gc to bound what is kept instead."
@@ -217,11 +217,7 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         if lease <= 0:
             raise ValueError(f"lease must be positive seconds, not {lease}")
         self.lease = lease
-        self.checksums = (
-            bool(getattr(self.engine, "checksums_by_default", False))
-            if checksums is None
-            else checksums
-        )
+        self.checksums = self.engine.checksums_by_default if checksums is None else checksums
         self.save_id = new_save_id()
         self.rank: int | None = None
         self.use_collectives = True
@@ -322,42 +318,51 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         if not self.use_collectives:
             mark_pending(self.engine, checkpoint_id, self.save_id, self.rank or 0, self.lease)
             plan = dataclasses.replace(
-                plan, storage_data=_PlanData(self.save_id, self.rank or 0, self._session_id())
+                plan, storage_data=SavePlanData(self.save_id, self.rank or 0, self._session_id())
             )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         session = None
-        origin: str | None = None
-        live: tuple[tuple[str, str], ...] = ()
+        coordinator_store: str | None = None
+        coordinator_saves: tuple[tuple[str, str], ...] = ()
         if self.use_collectives:
             # Registered before any rank writes data, so gc never mistakes it for garbage.
             mark_pending(self.engine, self._require_id(), self.save_id, None, self.lease)
             session = self._session_id()
-            origin = _store_identity(self.engine)
-            if origin is not None and len(plans) > 1:
-                live = tuple(sorted(read_index(self.engine).live_saves()))
+            coordinator_store = _store_identity(self.engine)
+            if coordinator_store is not None and len(plans) > 1:
+                coordinator_saves = tuple(sorted(read_index(self.engine).live_saves()))
         return [
             plan
-            if isinstance(plan.storage_data, _PlanData)
+            if isinstance(plan.storage_data, SavePlanData)
             else dataclasses.replace(
                 plan,
-                storage_data=_PlanData(self.save_id, rank, session, origin=origin, live=live),
+                storage_data=SavePlanData(
+                    self.save_id,
+                    rank,
+                    session,
+                    coordinator_store=coordinator_store,
+                    coordinator_saves=coordinator_saves,
+                ),
             )
             for rank, plan in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         checkpoint_id = self._require_id()
-        where: _PlanData = plan.storage_data
+        where: SavePlanData = plan.storage_data
         self.save_id = where.save_id
-        if where.origin is not None and _store_identity(self.engine) != where.origin:
+        if (
+            where.coordinator_store is not None
+            and _store_identity(self.engine) != where.coordinator_store
+        ):
             # This rank's node-local store is not the coordinator's: it holds no metadata, so
             # its own bookkeeping is what lets retention reach it (and gc leave it alone).
             tidy_remote_store(
                 self.engine,
-                origin=where.origin,
-                live=set(where.live),
+                origin=where.coordinator_store,
+                live=set(where.coordinator_saves),
                 checkpoint_id=checkpoint_id,
                 save_id=where.save_id,
                 rank=where.rank,
@@ -366,16 +371,16 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         prefix = self.engine.prefix
         results: list[WriteResult] = []
         lease_rank = None if self.use_collectives else where.rank
-        renewed = time.monotonic()
+        renew = LeaseRenewal(
+            self.lease,
+            lambda: renew_lease(self.engine, checkpoint_id, where.save_id, lease_rank, self.lease),
+        )
 
         def values() -> Iterator[tuple[str, memoryview]]:
             # Lazy: each item is resolved (and, for GPU tensors, copied to the CPU) only when
             # the engine is ready to send it, so at most one batch is held at a time.
-            nonlocal renewed
             for n, item in enumerate(plan.items):
-                if time.monotonic() - renewed > self.lease / 3:
-                    renew_lease(self.engine, checkpoint_id, where.save_id, lease_rank, self.lease)
-                    renewed = time.monotonic()
+                renew()
                 data = planner.resolve_data(item)
                 if isinstance(data, io.BytesIO):
                     view = data.getbuffer()
@@ -403,37 +408,31 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
                 yield from loc.split(view, prefix, checkpoint_id, where.save_id)
 
         self._session = where.session
-        preflight = getattr(self.engine, "preflight", None)
         hashes: list[list[Future_[int] | int]] = []
         # An engine that hashes each value as it sends it does so cache-hot, in one pass over
         # memory; otherwise large values are hashed on a worker thread meanwhile.
-        hash_in_engine = self.checksums and getattr(self.engine, "hashes_while_writing", False)
+        hash_in_engine = self.checksums and self.engine.hashes_while_writing
         digests: dict[int, int | None] = {}
         hash_pool = ThreadPoolExecutor(1) if self.checksums and not hash_in_engine else None
         try:
-            if preflight is not None:
-                planned = sum(_planned_bytes(item) for item in plan.items)
-                try:
-                    preflight(planned)
-                except StoreFullError:
-                    if not self.engine.reuses_values:
-                        raise
-                    # The spares retention kept are memory this save writes over, not adds to.
-                    preflight(max(0, planned - spare_bytes(self.engine)))
-            # Where the engine keeps retired values as spares, each value is written over the
-            # spare of the value at its place in an earlier save (same rank, item and part).
-            reuse = (
-                {"spare_of": functools.partial(spare_key, prefix)}
-                if self.engine.reuses_values
-                else {}
-            )
+            planned = sum(_planned_bytes(item) for item in plan.items)
+            try:
+                self.engine.preflight(planned)
+            except StoreFullError:
+                if not self.engine.reuses_values:
+                    raise
+                # The spares retention kept are memory this save writes over, not adds to.
+                self.engine.preflight(max(0, planned - spare_bytes(self.engine)))
             with gc_paused():
-                if hash_in_engine:
-                    self.engine.put_many(  # type: ignore[call-arg]  # hashes_while_writing
-                        values(), on_value=digests.__setitem__, hasher=new_checksum, **reuse
-                    )
-                else:
-                    self.engine.put_many(values(), **reuse)
+                self.engine.put_many(
+                    values(),
+                    on_value=digests.__setitem__ if hash_in_engine else None,
+                    hasher=new_checksum if hash_in_engine else None,
+                    # where the engine keeps retired values as spares, each value is written
+                    # over the spare of the value at its place in an earlier save (same rank,
+                    # item and part)
+                    spare_of=functools.partial(spare_key, prefix),
+                )
             self.engine.sync_replicas()
             self.engine.get_ready(sum(wr.size_in_bytes for wr in results), self._saves_held())
             if hash_in_engine:
@@ -475,8 +474,7 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         return out
 
     def _session_id(self) -> str | None:
-        get = getattr(self.engine, "session_id", None)
-        return None if get is None else get()
+        return self.engine.session_id()
 
     def _check_session(self, checkpoint_id: str) -> None:
         """Fail the save if the store lost its memory (restarted) since the save began: data
@@ -488,7 +486,7 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
                 "the checkpoint was not committed. Save it again."
             )
 
-    def _discard_failed(self, checkpoint_id: str, where: _PlanData, rank: int | None) -> None:
+    def _discard_failed(self, checkpoint_id: str, where: SavePlanData, rank: int | None) -> None:
         """Best effort: a save whose write failed will never commit (DCP fails the whole save
         when any rank's write fails), so it leaves nothing behind. In the store that registered
         it (the coordinator's; this rank's own for a rank-local save) the save is discarded as
@@ -497,7 +495,7 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         still write afterwards is an orphan that ``gc`` removes."""
         from .format import data_prefix
 
-        registered = where.origin is None or where.origin == _store_identity(self.engine)
+        registered = where.coordinator_store in (None, _store_identity(self.engine))
         try:
             if registered:
                 discard_save(self.engine, checkpoint_id, where.save_id, rank)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvckpt import KVStorageWriter, open_store
-from kvckpt.engines.contract import ENGINE_CHECKS
+from kvckpt.testing.engine_checks import ENGINE_CHECKS
 
 PAGE = Path(__file__).parent.parent / "CONTRIBUTING.md"
 

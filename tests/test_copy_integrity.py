@@ -64,7 +64,7 @@ def corrupt(url: str, cid: str) -> str:
     garbage of the same length, through the engine; returns its key."""
     engine = open_store(url, create=False)
     record = KVStorageReader(engine, checkpoint_id=cid).read_record()
-    loc = max(record.locations.values(), key=lambda loc: (loc.rank, loc.n))
+    loc = max(record.locations.values(), key=lambda loc: (loc.rank, loc.plan_position))
     key = loc.keys(engine.prefix, cid, record.save_id)[0]
     value = engine.get(key)
     assert value is not None
@@ -202,7 +202,7 @@ def test_export_of_a_corrupted_checkpoint_fails_and_leaves_no_directory(
     save(redis_url, "step-1")
     good = open_store(redis_url)
     record = KVStorageReader(good, checkpoint_id="step-1").read_record()
-    loc = max(record.locations.values(), key=lambda loc: (loc.rank, loc.n))
+    loc = max(record.locations.values(), key=lambda loc: (loc.rank, loc.plan_position))
     key = loc.keys(good.prefix, "step-1", record.save_id)[0]
     original = good.get(key)
     assert corrupt(redis_url, "step-1") == key

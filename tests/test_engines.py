@@ -9,16 +9,16 @@ import fakeredis
 import pytest
 
 from kvckpt import StoreUnavailableError, open_store
-from kvckpt.engines.contract import ENGINE_CHECKS
-from kvckpt.engines.contract import read_values as collect
 from kvckpt.engines.lmdb import LMDBEngine
 from kvckpt.engines.redis import RedisEngine
 from kvckpt.format import checksum, new_checksum
+from kvckpt.testing.engine_checks import ENGINE_CHECKS
+from kvckpt.testing.engine_checks import read_values as collect
 
 
 @pytest.mark.parametrize("check", ENGINE_CHECKS, ids=lambda c: c.__name__)
 def test_engine_contract(store_url: str, check) -> None:  # type: ignore[no-untyped-def]
-    """Every check of kvckpt.engines.contract, which third-party engines run too."""
+    """Every check of kvckpt.testing.engine_checks, which third-party engines run too."""
     check(lambda: open_store(store_url))
 
 
@@ -210,7 +210,7 @@ def test_redis_reads_request_only_read_ahead_bytes_at_a_time(
 
 def test_redis_read_ahead_sends_groups_within_the_window() -> None:
     """The request window's arithmetic, on a stand-in connection that records what is sent."""
-    from kvckpt.engines.redis import _GetRequests
+    from kvckpt.engines._resp import GetRequests
 
     class Recorder:
         def __init__(self) -> None:
@@ -222,7 +222,7 @@ def test_redis_read_ahead_sends_groups_within_the_window() -> None:
     def replay(sizes: list[int], window: int) -> tuple[list[int], int]:
         conn = Recorder()
         keys = [f"k{i}" for i in range(len(sizes))]
-        requests = _GetRequests(conn, keys, sizes.__getitem__, window)
+        requests = GetRequests(conn, keys, sizes.__getitem__, window)
         most = 0
         for i in range(len(sizes)):
             requests.send_ahead_of(i)

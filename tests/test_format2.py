@@ -135,7 +135,9 @@ def test_spares_of_format_2_keys_name_rank_item_and_part() -> None:
 def named_sample() -> tuple:
     md, locs = sample()
     return md, {
-        index: ItemLocation(loc.rank, loc.n, loc.nbytes, loc.part_bytes, name=index_name(index))
+        index: ItemLocation(
+            loc.rank, loc.plan_position, loc.nbytes, loc.part_bytes, name=index_name(index)
+        )
         for index, loc in locs.items()
     }
 

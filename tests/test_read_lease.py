@@ -23,7 +23,7 @@ from kvckpt import (
     list_checkpoints,
     open_store,
 )
-from kvckpt.catalog import hold_read_lease, read_index
+from kvckpt.catalog import read_index, release_read_lease, take_read_lease
 from kvckpt.format import data_prefix
 
 
@@ -120,7 +120,7 @@ def test_a_crashed_readers_lease_lapses(store_url: str) -> None:
     engine = open_store(store_url)
     save(store_url, "a", 1.0)
     (info,) = list_checkpoints(store_url)
-    hold_read_lease(engine, "a", "crashed-reader", 0.5)  # a reader that never releases it
+    take_read_lease(engine, "a", "crashed-reader", 0.5)  # a reader that never releases it
     assert delete_checkpoint(store_url, "a") == 0  # data deferred, metadata gone
     assert list_checkpoints(store_url) == []
     gc(store_url, scan_orphans=False)
@@ -134,11 +134,11 @@ def test_orphan_scan_spares_data_a_reader_holds(store_url: str) -> None:
     engine = open_store(store_url)
     save(store_url, "a", 1.0)
     (info,) = list_checkpoints(store_url)
-    hold_read_lease(engine, "a", "reader", 60)
+    take_read_lease(engine, "a", "reader", 60)
     delete_checkpoint(store_url, "a")
     gc(store_url)  # full gc with the orphan scan
     assert save_keys(store_url, "a", info.save_id) != []
-    hold_read_lease(engine, "a", "reader", None)  # released
+    release_read_lease(engine, "a", "reader")
     gc(store_url)
     assert save_keys(store_url, "a", info.save_id) == []
 

@@ -8,14 +8,10 @@ process) and must open connections lazily so a pickled engine reconnects on firs
 
 from __future__ import annotations
 
-import ctypes
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    import torch
+from typing import Protocol
 
 #: Anything with the buffer protocol that kvckpt hands to an engine as a value.
 BytesLike = bytes | bytearray | memoryview
@@ -65,35 +61,6 @@ def hashed_pieces(view: memoryview, hasher: Hasher) -> Iterator[memoryview]:
         yield piece
 
 
-def byte_tensor(view: memoryview) -> torch.Tensor:
-    """A uint8 tensor over ``view``'s memory (not empty), without a copy and without a warning.
-
-    Engines hand out read-only views (LMDB's memory map), and torch warns on wrapping
-    read-only memory ("The given buffer is not writable"), having no read-only tensors. kvckpt
-    only ever reads from these tensors, so a read-only view is wrapped through a writable
-    alias of the same memory instead. (``warnings.catch_warnings`` would change process-wide
-    state that ``Tiers``' background copies, in another thread, share.) The tensor keeps
-    ``view`` referenced, and is valid as long as the view is.
-    """
-    import numpy as np
-    import torch
-
-    if not view.readonly:
-        return torch.frombuffer(view, dtype=torch.uint8)
-    address = np.frombuffer(view, dtype=np.uint8).ctypes.data
-    alias = (ctypes.c_ubyte * view.nbytes).from_address(address)
-    alias.source = view  # type: ignore[attr-defined]  # kept alive with the tensor
-    return torch.frombuffer(alias, dtype=torch.uint8)
-
-
-def copy_bytes(dest: memoryview, src: memoryview) -> None:
-    """memcpy, using torch's parallel copy for large buffers (2x on 2 cores)."""
-    if src.nbytes >= 1 << 20:
-        byte_tensor(dest).copy_(byte_tensor(src))
-    else:
-        dest[:] = src
-
-
 class Engine(ABC):
     """A key-value store as kvckpt uses it.
 
@@ -136,13 +103,25 @@ class Engine(ABC):
         """The namespace prefix under which kvckpt keeps every key of this store."""
 
     @abstractmethod
-    def put_many(self, items: Iterable[tuple[str, BytesLike]]) -> None:
+    def put_many(
+        self,
+        items: Iterable[tuple[str, BytesLike]],
+        *,
+        on_value: ValueCallback | None = None,
+        hasher: Callable[[], Hasher] | None = None,
+        spare_of: Callable[[str], str] | None = None,
+    ) -> None:
         """Store many values, batched or pipelined. Values must not be copied more than once.
 
-        Engines with ``hashes_while_writing`` take two more keyword arguments, as ``get_into``
-        does: ``hasher`` (a factory of streaming hashes) and ``on_value(i, digest)``, called for
-        each value ``i`` (its position in ``items``) with the hash of its bytes, fed piece by
-        piece as they are sent (again if a dropped connection made it send them again).
+        The keyword arguments serve optional capabilities; an engine without the capability
+        ignores them, and its callers do the plain thing instead:
+
+        - ``hashes_while_writing``: with a ``hasher`` (a factory of streaming hashes), call
+          ``on_value(i, digest)`` for each value ``i`` (its position in ``items``) with the hash
+          of its bytes, fed piece by piece as they are sent (again if a dropped connection
+          made it send them again), as ``get_into`` does. Without it, the caller hashes.
+        - ``reuses_values``: ``spare_of(key)`` names the spare (``retire_values``) whose memory
+          the value at ``key`` may be written into in place. Without it, values are new.
         """
 
     @abstractmethod
@@ -179,7 +158,7 @@ class Engine(ABC):
             if view.nbytes != buffers[i].nbytes:
                 return
             if hasher is None:
-                copy_bytes(buffers[i], view)
+                buffers[i][:] = view
                 digest = None
             else:
                 digest = copy_and_hash(buffers[i], view, hasher())

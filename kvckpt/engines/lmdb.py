@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -40,7 +40,7 @@ from ..urls import (
     take_option,
     validate_prefix,
 )
-from .base import BytesLike, Consumer, Engine, Update
+from .base import BytesLike, Consumer, Engine, Hasher, Update, ValueCallback
 
 #: The query options of an LMDB URL.
 LMDB_OPTIONS = ("prefix", "map_size", "sync", "writemap", "part_bytes", "txn_bytes")
@@ -675,7 +675,15 @@ class LMDBEngine(Engine):
 
     # -- Engine interface ---------------------------------------------------------------------
 
-    def put_many(self, items: Iterable[tuple[str, BytesLike]]) -> None:
+    def put_many(
+        self,
+        items: Iterable[tuple[str, BytesLike]],
+        *,
+        on_value: ValueCallback | None = None,
+        hasher: Callable[[], Hasher] | None = None,
+        spare_of: Callable[[str], str] | None = None,
+    ) -> None:
+        # neither hashes_while_writing nor reuses_values: on_value, hasher, spare_of unused
         batch: list[tuple[bytes, BytesLike]] = []
         size = 0
         for key, value in items:

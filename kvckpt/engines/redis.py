@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import re
-import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -44,6 +43,15 @@ from ..urls import (
     split_options,
     take_option,
     validate_prefix,
+)
+from ._resp import (
+    BACKOFF_S,
+    RETRIES,
+    BulkReader,
+    GetRequests,
+    command,
+    command_header,
+    retry,
 )
 from .base import BytesLike, Consumer, Engine, Hasher, Update, ValueCallback, hashed_pieces
 
@@ -105,20 +113,20 @@ def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
 
 
 def _retried(method: Callable[..., T]) -> Callable[..., T]:
-    """Run an idempotent operation again when the connection drops (``_RETRIES`` times, with
+    """Run an idempotent operation again when the connection drops (``RETRIES`` times, with
     backoff): a dropped connection is an everyday fault, and these operations may run twice.
     A transaction's update may therefore also run after its first run was applied (the reply
     was lost), which ``kvckpt.catalog.update_index`` requires each update to recognise."""
 
     @functools.wraps(method)
     def wrapper(self: RedisEngine, *args: Any, **kwargs: Any) -> T:
-        for n in range(_RETRIES + 1):
+        for n in range(RETRIES + 1):
             try:
                 return method(self, *args, **kwargs)
             except (redis.ConnectionError, redis.TimeoutError) as e:
-                if n == _RETRIES or isinstance(e, redis.AuthenticationError):
+                if n == RETRIES or isinstance(e, redis.AuthenticationError):
                     raise
-                time.sleep(_BACKOFF_S * 2**n)
+                time.sleep(BACKOFF_S * 2**n)
         raise AssertionError("unreachable")
 
     return wrapper
@@ -371,6 +379,7 @@ class RedisEngine(RedisSettings):
     def put_many(
         self,
         items: Iterable[tuple[str, BytesLike]],
+        *,
         on_value: ValueCallback | None = None,
         hasher: Callable[[], Hasher] | None = None,
         spare_of: Callable[[str], str] | None = None,
@@ -380,105 +389,15 @@ class RedisEngine(RedisSettings):
         over instead where there is one (``RENAME``, ``PERSIST``) and is written into the
         spare's memory (``SETRANGE key 0``); a spare of another size is replaced by a SET."""
         spare_of = spare_of if self.reuses_values else None
+        hashing = on_value if hasher is not None else None
 
         def work(conn: Any) -> None:
-            pieces: list[BytesLike] = []
-            hashed: dict[int, int] = {}  # position in pieces -> value index, hashed as sent
-            small = bytearray()
-            sent: list[tuple[str, memoryview, bool]] = []
-            batch_bytes = 0
-
-            def stream() -> Iterator[BytesLike]:
-                for p, piece in enumerate(pieces):
-                    i = hashed.get(p)
-                    if i is None:
-                        yield piece
-                    else:
-                        h = hasher()  # type: ignore[misc]
-                        yield from hashed_pieces(memoryview(piece), h)
-                        on_value(i, h.intdigest())  # type: ignore[misc]
-
-            def reply(key: str, size: int) -> Any:
-                try:
-                    return conn.read_response()
-                except redis.ResponseError as e:
-                    if is_out_of_memory(e):
-                        raise self._out_of_memory(e, key, size) from None
-                    raise
-
-            def send_batch() -> None:
-                if pieces:
-                    conn.send_packed_command(stream() if hashed else pieces, check_health=False)
-                resend: list[tuple[str, memoryview]] = []
-                for key, view, reused in sent:
-                    if reused:
-                        try:
-                            conn.read_response()  # RENAME: "no such key" when there is no spare
-                        except redis.ResponseError as e:
-                            if not _no_such_key(e):
-                                raise
-                        conn.read_response()  # PERSIST
-                        if reply(key, view.nbytes) != view.nbytes:  # SETRANGE: the new length
-                            resend.append((key, view))  # the spare was longer
-                    else:
-                        reply(key, view.nbytes)
-                for key, view in resend:
-                    k = key.encode()
-                    header = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, view.nbytes)
-                    conn.send_packed_command([header, view, b"\r\n"], check_health=False)
-                    reply(key, view.nbytes)
-
-            def flush() -> None:
-                nonlocal small, sent, batch_bytes, pieces, hashed
-                if small:
-                    pieces.append(small)
-                # SET (and RENAME-if-there, SETRANGE) is idempotent: a batch cut by a dropped
-                # connection is sent again.
-                _retry(conn, send_batch)
-                pieces, hashed, small, sent, batch_bytes = [], {}, bytearray(), [], 0
-
+            pipeline = _SetPipeline(self, conn, hashing, hasher)
             for i, (key, value) in enumerate(items):
                 view = memoryview(value)
-                k = key.encode()
                 reuse = spare_of is not None and view.nbytes >= _REUSE_FROM
-                if reuse:
-                    spare = spare_of(key).encode()  # type: ignore[misc]
-                    small += b"*3\r\n$6\r\nRENAME\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
-                        len(spare),
-                        spare,
-                        len(k),
-                        k,
-                    )
-                    small += b"*2\r\n$7\r\nPERSIST\r\n$%d\r\n%s\r\n" % (len(k), k)
-                    small += b"*4\r\n$8\r\nSETRANGE\r\n$%d\r\n%s\r\n$1\r\n0\r\n$%d\r\n" % (
-                        len(k),
-                        k,
-                        view.nbytes,
-                    )
-                else:
-                    small += b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
-                        len(k),
-                        k,
-                        view.nbytes,
-                    )
-                if view.nbytes < _COALESCE_BELOW:
-                    small += view
-                    if hasher is not None and on_value is not None:
-                        h = hasher()
-                        h.update(view)
-                        on_value(i, h.intdigest())
-                else:
-                    pieces.append(small)
-                    if hasher is not None and on_value is not None:
-                        hashed[len(pieces)] = i  # hashed piece by piece as it is sent
-                    pieces.append(view)  # sent straight from the caller's memory
-                    small = bytearray()
-                small += b"\r\n"
-                sent.append((key, view, reuse))
-                batch_bytes += view.nbytes
-                if batch_bytes >= self.pipeline_bytes or len(sent) >= _MAX_PIPELINE_KEYS:
-                    flush()
-            flush()
+                pipeline.add(i, key, view, spare_of(key) if reuse else None)  # type: ignore[misc]
+            pipeline.flush()
 
         self._with_connection(work)
 
@@ -493,7 +412,7 @@ class RedisEngine(RedisSettings):
 
             for start in range(0, len(keys), _MAX_PIPELINE_KEYS):
                 batch = keys[start : start + _MAX_PIPELINE_KEYS]
-                requests = _GetRequests(conn, batch, expected, self.read_ahead_bytes)
+                requests = GetRequests(conn, batch, expected, self.read_ahead_bytes)
                 for i in range(len(batch)):
                     requests.send_ahead_of(i)
                     value = conn.read_response(disable_decoding=True)
@@ -518,13 +437,13 @@ class RedisEngine(RedisSettings):
                 stop = min(len(keys), start + _MAX_PIPELINE_KEYS)
 
                 def read_batch(start: int = start, stop: int = stop) -> list[int | None]:
-                    requests = _GetRequests(
+                    requests = GetRequests(
                         conn,
                         keys[start:stop],
                         lambda j: buffers[start + j].nbytes,
                         self.read_ahead_bytes,
                     )
-                    reader = _BulkReader(conn._sock)
+                    reader = BulkReader(conn._sock)
                     got = []
                     for i in range(start, stop):
                         requests.send_ahead_of(i - start)
@@ -538,7 +457,7 @@ class RedisEngine(RedisSettings):
                         raise redis.ConnectionError("unexpected bytes after the replies")
                     return got
 
-                sizes += _retry(conn, read_batch)
+                sizes += retry(conn, read_batch)
             return sizes
 
         return self._with_connection(work)
@@ -775,158 +694,111 @@ def take_redis_options(opts: dict[str, str], url: str) -> dict[str, Any]:
     )
 
 
-class _GetRequests:
-    """Pipelined GETs sent a window ahead of the reply being read.
+class _SetPipeline:
+    """The writes of ``RedisEngine.put_many`` on one connection, pipelined in batches of about
+    ``pipeline_bytes``.
 
-    Keeps at most ``window`` bytes of expected replies outstanding (but always the next two
-    values, so a value larger than the window still overlaps with the next request), and sends
-    requests in groups once an eighth of the window is free, so 10,000 tiny values still cost
-    a few sends rather than one per key.
-    """
+    Small values are framed together into one buffer; a large value is sent straight from the
+    caller's memory (hashed piece by piece as it goes, where asked). A value with a spare takes
+    the spare over (``RENAME``, ``PERSIST``) and is written into its memory (``SETRANGE key
+    0``); a spare of another size is replaced by a ``SET``. Every command here is idempotent,
+    so a batch cut by a dropped connection is sent again whole."""
 
     def __init__(
-        self, conn: Any, keys: Sequence[str], expected: Callable[[int], int], window: int
+        self,
+        engine: RedisEngine,
+        conn: Any,
+        on_value: ValueCallback | None,
+        hasher: Callable[[], Hasher] | None,
     ) -> None:
+        self.engine = engine
         self.conn = conn
-        self.keys = keys
-        self.expected = expected
-        self.window = window
-        self.sent = 0  # requests sent: keys[:sent]
-        self.sizes: dict[int, int] = {}  # expected size of each request sent, not yet received
-        self.outstanding = 0
+        self.on_value = on_value
+        self.hasher = hasher
+        self._start_batch()
 
-    def send_ahead_of(self, i: int) -> None:
-        """Make sure value ``i`` is requested, and enough after it to fill the window."""
-        if self.sent > i + 1 and self.window - self.outstanding < max(1, self.window // 8):
-            return
-        packed = bytearray()
-        while self.sent < len(self.keys):
-            size = self.expected(self.sent)
-            if self.sent > i + 1 and self.outstanding + size > self.window:
-                break
-            k = self.keys[self.sent].encode()
-            packed += b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)
-            self.sizes[self.sent] = size
-            self.outstanding += size
-            self.sent += 1
-        if packed:
-            self.conn.send_packed_command([packed], check_health=False)
+    def _start_batch(self) -> None:
+        self.pieces: list[BytesLike] = []
+        self.hashed: dict[int, int] = {}  # position in pieces -> value index, hashed as sent
+        self.small = bytearray()
+        self.sent: list[tuple[str, memoryview, bool]] = []  # key, value, whether a take-over
+        self.batch_bytes = 0
 
-    def received(self, i: int) -> None:
-        self.outstanding -= self.sizes.pop(i)
-
-
-#: Transient connection errors (a dropped connection, a server restarting) are retried this
-#: many times, with exponential backoff; anything else fails at once.
-_RETRIES = 3
-_BACKOFF_S = 0.2
-
-
-def _retry(conn: Any, attempt: Callable[[], T]) -> T:
-    """Run an idempotent pipelined exchange, reconnecting and retrying on connection errors."""
-    for n in range(_RETRIES + 1):
-        try:
-            if conn._sock is None:
-                conn.connect()
-            return attempt()
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
-            if n == _RETRIES:
-                raise
-            conn.disconnect()
-            time.sleep(_BACKOFF_S * 2**n)
-    raise AssertionError("unreachable")
-
-
-class _BulkReader:
-    """Reads RESP bulk-string replies straight into caller buffers with ``recv_into``.
-
-    redis-py (and hiredis) would first build a ``bytes`` object per reply and the caller would
-    copy it again; this reads each value's bytes from the socket into the destination tensor
-    once. Used on a pooled redis-py connection whose earlier replies are fully consumed.
-    """
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buf = bytearray(64 * 1024)
-        self.view = memoryview(self.buf)
-        self.start = self.end = 0
-
-    def buffered(self) -> int:
-        return self.end - self.start
-
-    def _fill(self) -> None:
-        if self.start == self.end:
-            self.start = self.end = 0
-        elif self.end == len(self.buf):
-            self.buf[: self.end - self.start] = self.buf[self.start : self.end]
-            self.end -= self.start
-            self.start = 0
-        n = self.sock.recv_into(self.view[self.end :])
-        if n == 0:
-            raise redis.ConnectionError("Redis closed the connection")
-        self.end += n
-
-    def _line(self) -> bytes:
-        while True:
-            i = self.buf.find(b"\r\n", self.start, self.end)
-            if i >= 0:
-                line = bytes(self.buf[self.start : i])
-                self.start = i + 2
-                return line
-            if self.end - self.start > 1024:
-                raise redis.ConnectionError("malformed reply from Redis")
-            self._fill()
-
-    def _read_into(self, dest: memoryview, hasher: Hasher | None = None) -> None:
-        """Fill ``dest`` from the socket, feeding ``hasher`` each piece as it lands (it is
-        still in the CPU cache then: -1% to 11% of a loopback load where hashing each value
-        afterwards, on another thread, cost 40%)."""
-        have = min(self.end - self.start, dest.nbytes)
-        dest[:have] = self.view[self.start : self.start + have]
-        self.start += have
-        if hasher is not None and have:
-            hasher.update(dest[:have])
-        pos = have
-        while pos < dest.nbytes:
-            n = self.sock.recv_into(dest[pos:])
-            if n == 0:
-                raise redis.ConnectionError("Redis closed the connection")
-            if hasher is not None:
-                hasher.update(dest[pos : pos + n])
-            pos += n
-
-    def _skip(self, n: int) -> None:
-        scratch = memoryview(bytearray(min(n, 1 << 20)))
-        while n > 0:
-            step = min(n, scratch.nbytes)
-            self._read_into(scratch[:step])
-            n -= step
-
-    def read_bulk_into(self, dest: memoryview, hasher: Hasher | None = None) -> int | None:
-        """Read one GET reply into ``dest`` if it has ``dest``'s size (else skip it); returns
-        the value's size, None for a missing key."""
-        line = self._line()
-        if line == b"_":  # RESP3 null (redis-py may negotiate protocol 3)
-            return None
-        if line.startswith(b"-"):
-            raise redis.ResponseError(line[1:].decode(errors="replace"))
-        if line.startswith(b"!"):  # RESP3 blob error
-            n = int(line[1:])
-            message = bytearray(n)
-            self._read_into(memoryview(message))
-            self._skip(2)
-            raise redis.ResponseError(message.decode(errors="replace"))
-        if not line.startswith(b"$"):
-            raise redis.ConnectionError(f"unexpected reply from Redis: {line[:40]!r}")
-        n = int(line[1:])
-        if n < 0:
-            return None
-        if n == dest.nbytes:
-            self._read_into(dest, hasher)
+    def add(self, i: int, key: str, view: memoryview, spare: str | None) -> None:
+        """Queue value ``i`` (sending the batch once it is full)."""
+        k = key.encode()
+        if spare is not None:
+            self.small += command(b"RENAME", spare.encode(), k) + command(b"PERSIST", k)
+            self.small += command_header(b"SETRANGE", k, b"0", value_nbytes=view.nbytes)
         else:
-            self._skip(n)
-        self._skip(2)  # the CRLF after the value
-        return n
+            self.small += command_header(b"SET", k, value_nbytes=view.nbytes)
+        hashing = self.on_value is not None and self.hasher is not None
+        if view.nbytes < _COALESCE_BELOW:
+            self.small += view
+            if hashing:
+                h = self.hasher()  # type: ignore[misc]
+                h.update(view)
+                self.on_value(i, h.intdigest())  # type: ignore[misc]
+        else:
+            self.pieces.append(self.small)
+            if hashing:
+                self.hashed[len(self.pieces)] = i  # hashed piece by piece as it is sent
+            self.pieces.append(view)  # sent straight from the caller's memory
+            self.small = bytearray()
+        self.small += b"\r\n"
+        self.sent.append((key, view, spare is not None))
+        self.batch_bytes += view.nbytes
+        if self.batch_bytes >= self.engine.pipeline_bytes or len(self.sent) >= _MAX_PIPELINE_KEYS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the queued batch and read its replies."""
+        if self.small:
+            self.pieces.append(self.small)
+        retry(self.conn, self._exchange)
+        self._start_batch()
+
+    def _stream(self) -> Iterator[BytesLike]:
+        for p, piece in enumerate(self.pieces):
+            i = self.hashed.get(p)
+            if i is None:
+                yield piece
+            else:
+                h = self.hasher()  # type: ignore[misc]
+                yield from hashed_pieces(memoryview(piece), h)
+                self.on_value(i, h.intdigest())  # type: ignore[misc]
+
+    def _exchange(self) -> None:
+        conn = self.conn
+        if self.pieces:
+            conn.send_packed_command(
+                self._stream() if self.hashed else self.pieces, check_health=False
+            )
+        resend: list[tuple[str, memoryview]] = []
+        for key, view, took_over in self.sent:
+            if took_over:
+                try:
+                    conn.read_response()  # RENAME: "no such key" when there is no spare
+                except redis.ResponseError as e:
+                    if not _no_such_key(e):
+                        raise
+                conn.read_response()  # PERSIST
+                if self._reply(key, view.nbytes) != view.nbytes:  # SETRANGE: the new length
+                    resend.append((key, view))  # the spare was longer
+            else:
+                self._reply(key, view.nbytes)
+        for key, view in resend:
+            header = command_header(b"SET", key.encode(), value_nbytes=view.nbytes)
+            conn.send_packed_command([header, view, b"\r\n"], check_health=False)
+            self._reply(key, view.nbytes)
+
+    def _reply(self, key: str, size: int) -> Any:
+        try:
+            return self.conn.read_response()
+        except redis.ResponseError as e:
+            if is_out_of_memory(e):
+                raise self.engine._out_of_memory(e, key, size) from None
+            raise
 
 
 def _rebuild(

@@ -279,11 +279,14 @@ class RedisClusterEngine(RedisSettings):
     def put_many(
         self,
         items: Iterable[tuple[str, BytesLike]],
+        *,
         on_value: ValueCallback | None = None,
         hasher: Callable[[], Hasher] | None = None,
+        spare_of: Callable[[str], str] | None = None,
     ) -> None:
         # Collect up to pipeline_bytes across the cluster, then send each primary its share in
         # parallel. The values are views of the caller's memory: nothing is copied here.
+        # Values are always new (no reuses_values across a cluster): spare_of is unused.
         batch: list[tuple[str, BytesLike]] = []
         first = size = 0  # first: position in items of batch[0]
         for key, value in items:
