@@ -693,6 +693,106 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+#: The ratios the report gives: (label, case, baseline, what is compared, target or note).
+#: "gbps" divides throughputs (higher is better for the case), "time" median times (lower is
+#: better); a target is "<op> <bound>", anything in parentheses a note.
+RATIOS: list[tuple[str, str, str, str, str]] = [
+    ("LMDB load / DCP FileSystemReader shm", "kv_lmdb_load", "dcp_fs_shm_load", "gbps", ">= 5"),
+    (
+        "LMDB save steady / DCP FS shm t=2 (taking turns)",
+        "kv_lmdb_save_steady",
+        "dcp_fs_shm_save_t2_turns",
+        "gbps",
+        ">= 3",
+    ),
+    (
+        "LMDB save first / DCP FS shm t=1 (taking turns)",
+        "kv_lmdb_save_first",
+        "dcp_fs_shm_save_t1_turns",
+        "gbps",
+        ">= 1.0",
+    ),
+    ("Redis save / raw-socket SET", "kv_redis_save", "raw_redis_set", "gbps", ">= 0.8"),
+    (
+        "Redis save / DCP FS shm t=1 (taking turns)",
+        "kv_redis_save",
+        "dcp_fs_shm_save_t1_turns",
+        "gbps",
+        ">= 1.0",
+    ),
+    (
+        "Redis save steady, keep_last=1 / DCP FS shm t=1 keeping 1 (taking turns)",
+        "kv_redis_save_steady",
+        "dcp_fs_shm_save_t1_keep1",
+        "gbps",
+        "(a training job's pattern)",
+    ),
+    ("Redis load / raw-socket GET-into", "kv_redis_load", "raw_redis_get_into", "gbps", ">= 0.8"),
+    ("Redis load / DCP FileSystemReader shm", "kv_redis_load", "dcp_fs_shm_load", "gbps", ">= 1.3"),
+    (
+        "small tensors LMDB / DCP (wall time)",
+        "small_kv_lmdb",
+        "small_dcp_fs_shm",
+        "time",
+        "<= 0.5",
+    ),
+    (
+        "small tensors Redis / DCP (wall time)",
+        "small_kv_redis",
+        "small_dcp_fs_shm",
+        "time",
+        "<= 0.5",
+    ),
+    (
+        "async_save blocking LMDB / DCP",
+        "async_block_kv_lmdb",
+        "async_block_dcp_fs_shm",
+        "time",
+        "<= 1.0",
+    ),
+    (
+        "async_save blocking Redis / DCP",
+        "async_block_kv_redis",
+        "async_block_dcp_fs_shm",
+        "time",
+        "<= 1.0",
+    ),
+    # what training waits for with a plain dcp.save into an LMDB store (steady state) against
+    # what it waits for with DCP's async_save
+    (
+        "LMDB save steady (dcp.save) / DCP async_save blocking (time)",
+        "kv_lmdb_save_steady",
+        "async_block_dcp_fs_shm",
+        "time",
+        "(lower: no async needed)",
+    ),
+    (
+        "async_save blocking, staging copy reused: LMDB cache_staged_state_dict / DCP stager",
+        "async_block_kv_lmdb_cached",
+        "async_block_dcp_fs_shm_cached",
+        "time",
+        "(both reuse one staging copy)",
+    ),
+    (
+        "async_save blocking, DCP reusing a DefaultStager / DCP default",
+        "async_block_dcp_fs_shm_cached",
+        "async_block_dcp_fs_shm",
+        "time",
+        "(what reusing the copy buys)",
+    ),
+]
+
+
+def meets(value: float, target: str) -> bool | None:
+    """Whether ``value`` meets ``target`` ("<= 0.5", ">= 3"); None for a note."""
+    op, _, bound = target.partition(" ")
+    if op == ">=":
+        return value >= float(bound)
+    if op == "<=":
+        return value <= float(bound)
+    return None
+
+
 def ratios(r: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:
     def g(name: str) -> float:
         return r[name]["gbps"]
@@ -702,100 +802,10 @@ def ratios(r: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:
 
     size = r["state_dict_bytes"]
     chunk = r["part_bytes_redis"]
-    rows = [
-        (
-            "LMDB load / DCP FileSystemReader shm",
-            g("kv_lmdb_load") / g("dcp_fs_shm_load"),
-            ">= 5",
-            g("kv_lmdb_load") / g("dcp_fs_shm_load") >= 5,
-        ),
-        (
-            "LMDB save steady / DCP FS shm t=2 (taking turns)",
-            g("kv_lmdb_save_steady") / g("dcp_fs_shm_save_t2_turns"),
-            ">= 3",
-            g("kv_lmdb_save_steady") / g("dcp_fs_shm_save_t2_turns") >= 3,
-        ),
-        (
-            "LMDB save first / DCP FS shm t=1 (taking turns)",
-            g("kv_lmdb_save_first") / g("dcp_fs_shm_save_t1_turns"),
-            ">= 1.0",
-            g("kv_lmdb_save_first") / g("dcp_fs_shm_save_t1_turns") >= 1.0,
-        ),
-        (
-            "Redis save / raw-socket SET",
-            g("kv_redis_save") / g("raw_redis_set"),
-            ">= 0.8",
-            g("kv_redis_save") / g("raw_redis_set") >= 0.8,
-        ),
-        (
-            "Redis save / DCP FS shm t=1 (taking turns)",
-            g("kv_redis_save") / g("dcp_fs_shm_save_t1_turns"),
-            ">= 1.0",
-            g("kv_redis_save") / g("dcp_fs_shm_save_t1_turns") >= 1.0,
-        ),
-        (
-            "Redis save steady, keep_last=1 / DCP FS shm t=1 keeping 1 (taking turns)",
-            g("kv_redis_save_steady") / g("dcp_fs_shm_save_t1_keep1"),
-            "(a training job's pattern)",
-            None,
-        ),
-        (
-            "Redis load / raw-socket GET-into",
-            g("kv_redis_load") / g("raw_redis_get_into"),
-            ">= 0.8",
-            g("kv_redis_load") / g("raw_redis_get_into") >= 0.8,
-        ),
-        (
-            "Redis load / DCP FileSystemReader shm",
-            g("kv_redis_load") / g("dcp_fs_shm_load"),
-            ">= 1.3",
-            g("kv_redis_load") / g("dcp_fs_shm_load") >= 1.3,
-        ),
-        (
-            "small tensors LMDB / DCP (wall time)",
-            t("small_kv_lmdb") / t("small_dcp_fs_shm"),
-            "<= 0.5",
-            t("small_kv_lmdb") / t("small_dcp_fs_shm") <= 0.5,
-        ),
-        (
-            "small tensors Redis / DCP (wall time)",
-            t("small_kv_redis") / t("small_dcp_fs_shm"),
-            "<= 0.5",
-            t("small_kv_redis") / t("small_dcp_fs_shm") <= 0.5,
-        ),
-        (
-            "async_save blocking LMDB / DCP",
-            t("async_block_kv_lmdb") / t("async_block_dcp_fs_shm"),
-            "<= 1.0",
-            t("async_block_kv_lmdb") / t("async_block_dcp_fs_shm") <= 1.0,
-        ),
-        (
-            "async_save blocking Redis / DCP",
-            t("async_block_kv_redis") / t("async_block_dcp_fs_shm"),
-            "<= 1.0",
-            t("async_block_kv_redis") / t("async_block_dcp_fs_shm") <= 1.0,
-        ),
-        (
-            # what training waits for with a plain dcp.save into an LMDB store (steady state)
-            # against what it waits for with DCP's async_save
-            "LMDB save steady (dcp.save) / DCP async_save blocking (time)",
-            t("kv_lmdb_save_steady") / t("async_block_dcp_fs_shm"),
-            "(lower: no async needed)",
-            None,
-        ),
-        (
-            "async_save blocking, staging copy reused: LMDB cache_staged_state_dict / DCP stager",
-            t("async_block_kv_lmdb_cached") / t("async_block_dcp_fs_shm_cached"),
-            "(both reuse one staging copy)",
-            None,
-        ),
-        (
-            "async_save blocking, DCP reusing a DefaultStager / DCP default",
-            t("async_block_dcp_fs_shm_cached") / t("async_block_dcp_fs_shm"),
-            "(what reusing the copy buys)",
-            None,
-        ),
-    ]
+    rows: list[tuple[str, float, str, bool | None]] = []
+    for label, case, base, compared, target in RATIOS:
+        value = g(case) / g(base) if compared == "gbps" else t(case) / t(base)
+        rows.append((label, value, target, meets(value, target)))
     for label, ours in (("LMDB", "kv_lmdb_huge"), ("Redis", "kv_redis_huge")):
         total = sum(r[f"async_block_{ours}"]["runs_s"]) / sum(r["async_block_dcp_fs_shm"]["runs_s"])
         rows.append(

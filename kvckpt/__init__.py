@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .choice import Restore
 from .engines.base import Engine
 from .errors import (
     CheckpointExistsError,
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
     from .reader import KVStorageReader
     from .restore import RestoreStats, TieredStorageReader
     from .staging import background_stager
-    from .tiered import Restore, TieredStorageWriter, Tiers
+    from .tiered import TieredStorageWriter, Tiers
     from .transfer import DirectoryReader
     from .writer import KVStorageWriter
 
@@ -58,7 +59,6 @@ _LAZY = {
     "TieredStorageReader": "restore",
     "KVStorageReader": "reader",
     "background_stager": "staging",
-    "Restore": "tiered",
     "TieredStorageWriter": "tiered",
     "Tiers": "tiered",
     "DirectoryReader": "transfer",

@@ -396,7 +396,7 @@ def gc(
         for name, p in removed.items():
             cid, save_id, rank = p.get("checkpoint_id"), p.get("save_id"), p.get("rank")
             if isinstance(cid, str) and isinstance(save_id, str):
-                report.deleted_keys += _drop_save_data(
+                report.deleted_keys += _delete_save_data(
                     engine, cid, save_id, rank if isinstance(rank, int) else None
                 )
             report.removed_incomplete.append(name)
@@ -525,7 +525,7 @@ def spare_bytes(engine: Engine) -> int:
     return sum(n or 0 for n in engine.value_sizes(spares))
 
 
-def _drop_save_data(engine: Engine, checkpoint_id: str, save_id: str, rank: int | None) -> int:
+def _delete_save_data(engine: Engine, checkpoint_id: str, save_id: str, rank: int | None) -> int:
     """Delete an uncommitted save's data (one rank's, for a rank-local save) and release its
     write lease, so the id can be saved again at once. Returns the number of keys deleted."""
     head = data_prefix(engine.prefix, checkpoint_id, save_id)
@@ -555,7 +555,7 @@ def discard_save(engine: Engine, checkpoint_id: str, save_id: str, rank: int | N
     update_index(engine, drop)
     if committed[0]:
         return 0
-    return _drop_save_data(engine, checkpoint_id, save_id, rank)
+    return _delete_save_data(engine, checkpoint_id, save_id, rank)
 
 
 #: ``gc(..., incomplete_older_than=NEVER)`` leaves every pending save alone.

@@ -41,7 +41,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +61,7 @@ from .catalog import (
     take_read_lease,
     unregister,
 )
+from .choice import DURABLE_INFO, Restore, choose_newest, lists_save
 from .engines.base import Engine
 from .errors import KVCheckpointError, ReplicationError
 from .format import (
@@ -69,7 +69,8 @@ from .format import (
     ItemLocation,
     part_ranges,
 )
-from .manage import NEVER, discard_save, gc, list_checkpoints
+from .manage import NEVER, discard_save
+from .manage import gc as collect_garbage  # not the standard library's gc
 from .node import node_id, run_in_background, spare_cores
 from .reader import KVStorageReader
 from .restore import RestoreStats, TieredStorageReader
@@ -78,29 +79,6 @@ from .transfer import DirectoryReader, copy_values, export_checkpoint
 from .writer import KVStorageWriter, SavePlanData
 
 logger = logging.getLogger(__name__)
-
-#: written into each durable checkpoint directory: the time the checkpoint was taken
-DURABLE_INFO = "kvckpt.json"
-
-
-@dataclass(frozen=True)
-class Restore:
-    """Where a restart's checkpoint comes from: what ``Tiers.restore`` loaded and
-    ``Tiers.latest`` would load (both return None when no tier holds a checkpoint).
-
-    Attributes:
-        checkpoint_id: the checkpoint's id, as it was saved (``"step-100"``): the training
-            step is whatever the id says, or whatever the state dict holds.
-        tier: where it is read from: an index into ``Tiers.stores`` (0 the fastest), or
-            ``len(Tiers.stores)`` for the durable directory.
-        source: that store's URL (password masked) or the checkpoint's durable directory.
-        created_at: Unix time of the save's commit in the first tier (copies keep it).
-    """
-
-    checkpoint_id: str
-    tier: int
-    source: str
-    created_at: float
 
 
 class Tiers:
@@ -383,7 +361,7 @@ class Tiers:
                 committed = True
                 dst.sync_replicas()
                 if self.keep_last is not None:
-                    gc(
+                    collect_garbage(
                         dst,
                         keep_last=self.keep_last,
                         protect=[checkpoint_id],
@@ -395,7 +373,7 @@ class Tiers:
             except KVCheckpointError as e:
                 failures.append(f"{dst.url}: {e}")
                 if not committed:
-                    self._discard(dst, checkpoint_id, save_id)
+                    self._discard_copy(dst, checkpoint_id, save_id)
         if self.durable is not None and self._commits % self.durable_every == 0:
             try:
                 self._export(source, checkpoint_id, created_at)
@@ -441,7 +419,7 @@ class Tiers:
             self._renew_lease()
 
     @staticmethod
-    def _discard(dst: Engine, checkpoint_id: str, save_id: str) -> None:
+    def _discard_copy(dst: Engine, checkpoint_id: str, save_id: str) -> None:
         """Best effort: a copy that will not commit leaves no data, pending entry or lease in
         the replica (values a slower rank still sends afterwards are orphans for gc)."""
         try:
@@ -544,7 +522,9 @@ class Tiers:
             return self._prefetch
 
     def _bring_share(self, share: range | None) -> Restore | None:
-        choice = self._choose(single_host=False)  # the newest checkpoint of a shared tier
+        choice = choose_newest(
+            self.engines, self.durable, single_host=False
+        )  # the newest checkpoint of a shared tier
         if choice is None or choice.tier == len(self.engines):
             return None
         src, dst = self.engines[choice.tier], self.engines[0]
@@ -557,7 +537,7 @@ class Tiers:
             whole = share is None or set(range(record.world_size)) <= set(share)
             mine = [loc for loc in record.locations.values() if share is None or loc.rank in share]
             missing = _not_held(dst, record, mine)
-            if not missing and (not whole or self._lists(dst, choice)):
+            if not missing and (not whole or lists_save(dst, choice)):
                 return None
             mark_pending(dst, checkpoint_id, save_id, None, self.replicate_timeout)
             try:
@@ -577,7 +557,7 @@ class Tiers:
                     # coordinator's retention one save later (``tidy_remote_store``).
                     record_share(dst, checkpoint_id, save_id, sorted({loc.rank for loc in mine}))
             except BaseException:
-                _drop_copied(dst, record, missing)
+                _discard_prefetched(dst, record, missing)
                 raise
         logger.info(
             "kvckpt tiers: prefetched %d of %d values of %r from %s into %s",
@@ -588,18 +568,6 @@ class Tiers:
             dst.url,
         )
         return dataclasses.replace(choice, tier=0, source=dst.url)
-
-    @staticmethod
-    def _lists(engine: Engine, choice: Restore) -> bool:
-        """Whether ``engine`` lists the chosen save as a complete checkpoint."""
-        try:
-            infos = list_checkpoints(engine)
-        except KVCheckpointError:
-            return False
-        return any(
-            i.checkpoint_id == choice.checkpoint_id and i.created_at == choice.created_at
-            for i in infos
-        )
 
     def _await_prefetch(self) -> None:
         if self._prefetch is None:
@@ -620,46 +588,16 @@ class Tiers:
         """
         self._await_prefetch()
         if not (dist.is_available() and dist.is_initialized()):
-            return self._choose(single_host=True)
+            return choose_newest(self.engines, self.durable, single_host=True)
         nodes: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(nodes, node_id())
-        choice = [self._choose(len(set(nodes)) == 1) if dist.get_rank() == 0 else None]
+        choice = [
+            choose_newest(self.engines, self.durable, len(set(nodes)) == 1)
+            if dist.get_rank() == 0
+            else None
+        ]
         dist.broadcast_object_list(choice, src=0)
         return choice[0]
-
-    def _choose(self, single_host: bool) -> Restore | None:
-        found: list[Restore] = []
-        for i, engine in enumerate(self.engines):
-            if not (engine.shared or single_host):
-                continue
-            try:
-                infos = list_checkpoints(engine)
-            except KVCheckpointError as e:
-                logger.warning("restore skips %s: %s", engine.url, e)
-                continue
-            found += [
-                Restore(info.checkpoint_id, i, engine.url, info.created_at)
-                for info in infos
-                if info.complete and not info.rank_local
-            ]
-        if self.durable is not None and self.durable.is_dir():
-            for path in self.durable.iterdir():
-                if path.name.startswith(".") or not (path / ".metadata").is_file():
-                    continue
-                found.append(Restore(path.name, len(self.engines), str(path), _durable_time(path)))
-        if not found:
-            return None
-        newest = max(found, key=lambda r: r.created_at)
-        # The same save: a tier holding an older save under the same id (a copy that failed)
-        # does not count. Copies keep their original's commit time.
-        return min(
-            (
-                r
-                for r in found
-                if r.checkpoint_id == newest.checkpoint_id and r.created_at == newest.created_at
-            ),
-            key=lambda r: r.tier,
-        )
 
     def reader(self, choice: Restore, **options: Any) -> StorageReader:
         """The DCP ``StorageReader`` for a choice of ``latest()``: one that reads each item
@@ -705,7 +643,7 @@ def _not_held(
     return missing
 
 
-def _drop_copied(engine: Engine, record: CheckpointRecord, locs: list[ItemLocation]) -> None:
+def _discard_prefetched(engine: Engine, record: CheckpointRecord, locs: list[ItemLocation]) -> None:
     """After a failed prefetch: delete the values it wrote (never the values the store held
     before) and its pending entry. Best effort: what stays is gc's."""
     try:
@@ -721,14 +659,6 @@ def _drop_copied(engine: Engine, record: CheckpointRecord, locs: list[ItemLocati
 
 def _no_renewal(force: bool = False) -> None:
     """No background job is running: nothing to renew."""
-
-
-def _durable_time(path: Path) -> float:
-    try:
-        info = json.loads((path / DURABLE_INFO).read_text())
-        return float(info["created_at"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return (path / ".metadata").stat().st_mtime
 
 
 class TieredStorageWriter(KVStorageWriter):

@@ -60,7 +60,8 @@ from .format import (
     part_ranges,
     spare_key,
 )
-from .manage import NEVER, discard_save, gc, spare_bytes
+from .manage import NEVER, discard_save, spare_bytes
+from .manage import gc as collect_garbage  # not the standard library's gc
 from .node import node_id
 from .staging import accelerator_available, advise_huge_pages
 from .stores import open_store
@@ -147,6 +148,66 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, (list, tuple)):
         for v in value:
             yield from _tensors(v)
+
+
+class _Checksums:
+    """How a save records a checksum per value: not at all; by the engine, as it sends each
+    value (``hashes_while_writing``: cache-hot, one pass over memory); or on a worker thread
+    while the engine sends, for large parts (xxhash releases the GIL), inline for small ones,
+    where a hand-off costs more."""
+
+    def __init__(self, engine: Engine, enabled: bool) -> None:
+        in_engine = enabled and engine.hashes_while_writing
+        self._digests: dict[int, int | None] = {}
+        #: what ``put_many`` gets: where the engine hashes, where to report its digests
+        self.on_value = self._digests.__setitem__ if in_engine else None
+        self.hasher = new_checksum if in_engine else None
+        self._pool = ThreadPoolExecutor(1) if enabled and not in_engine else None
+        self._hashes: list[list[Future_[int] | int]] = []
+
+    def add(self, view: memoryview, part_bytes: int) -> None:
+        """A value about to be handed to the engine, in its parts."""
+        if self._pool is not None:
+            self._hashes.append(
+                [
+                    self._pool.submit(checksum, view[a:b])
+                    if b - a >= _ASYNC_HASH_BYTES
+                    else checksum(view[a:b])
+                    for a, b in part_ranges(view.nbytes, part_bytes)
+                ]
+            )
+
+    def recorded(self, results: list[WriteResult], url: str) -> list[WriteResult]:
+        """``results`` with their parts' checksums (as they were, without checksums)."""
+        if self.on_value is not None:
+            return self._from_engine(results, url)
+        if self._pool is not None:
+            return [
+                _with_checksums(wr, tuple(f if isinstance(f, int) else f.result() for f in fs))
+                for wr, fs in zip(results, self._hashes, strict=True)
+            ]
+        return results
+
+    def _from_engine(self, results: list[WriteResult], url: str) -> list[WriteResult]:
+        """The checksums the engine reported, numbered in the order parts were handed to it."""
+        out, i = [], 0
+        for wr in results:
+            loc: ItemLocation = wr.storage_data
+            count = len(part_ranges(loc.nbytes, loc.part_bytes))
+            sums = tuple(self._digests.get(j) for j in range(i, i + count))
+            if None in sums:
+                raise RuntimeError(
+                    f"{url}: the engine says it hashes values while writing "
+                    f"(hashes_while_writing) but reported no checksum for a part of "
+                    f"{wr.index.fqn!r}; fix the engine or save with checksums=False"
+                )
+            out.append(_with_checksums(wr, sums))  # type: ignore[arg-type]
+            i += count
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
@@ -353,12 +414,38 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         checkpoint_id = self._require_id()
         where: SavePlanData = plan.storage_data
         self.save_id = where.save_id
+        self._session = where.session
+        self._tidy_if_remote(checkpoint_id, where)
+        lease_rank = None if self.use_collectives else where.rank
+        renew = LeaseRenewal(
+            self.lease,
+            lambda: renew_lease(self.engine, checkpoint_id, where.save_id, lease_rank, self.lease),
+        )
+        sums = _Checksums(self.engine, self.checksums)
+        results: list[WriteResult] = []
+        try:
+            self._preflight(plan)
+            self._write(checkpoint_id, plan, planner, where, renew, sums, results)
+            self.engine.sync_replicas()
+            self.engine.get_ready(sum(wr.size_in_bytes for wr in results), self._saves_held())
+            results[:] = sums.recorded(results, self.engine.url)
+        except BaseException:
+            self._discard_failed(checkpoint_id, where, lease_rank)
+            raise
+        finally:
+            sums.close()
+        self._check_session(checkpoint_id)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _tidy_if_remote(self, checkpoint_id: str, where: SavePlanData) -> None:
+        """Where this rank's node-local store is not the coordinator's, it holds no metadata, so
+        its own bookkeeping is what lets retention reach it (and gc leave it alone)."""
         if (
             where.coordinator_store is not None
             and _store_identity(self.engine) != where.coordinator_store
         ):
-            # This rank's node-local store is not the coordinator's: it holds no metadata, so
-            # its own bookkeeping is what lets retention reach it (and gc leave it alone).
             tidy_remote_store(
                 self.engine,
                 origin=where.coordinator_store,
@@ -367,14 +454,31 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
                 save_id=where.save_id,
                 rank=where.rank,
             )
+
+    def _preflight(self, plan: SavePlan) -> None:
+        """Fail before writing where the store cannot take this rank's share of the save."""
+        planned = sum(_planned_bytes(item) for item in plan.items)
+        try:
+            self.engine.preflight(planned)
+        except StoreFullError:
+            if not self.engine.reuses_values:
+                raise
+            # The spares retention kept are memory this save writes over, not adds to.
+            self.engine.preflight(max(0, planned - spare_bytes(self.engine)))
+
+    def _write(
+        self,
+        checkpoint_id: str,
+        plan: SavePlan,
+        planner: SavePlanner,
+        where: SavePlanData,
+        renew: LeaseRenewal,
+        sums: _Checksums,
+        results: list[WriteResult],
+    ) -> None:
+        """Send every item of the plan to the engine, filling ``results`` as items go."""
         part_bytes = self.part_bytes
         prefix = self.engine.prefix
-        results: list[WriteResult] = []
-        lease_rank = None if self.use_collectives else where.rank
-        renew = LeaseRenewal(
-            self.lease,
-            lambda: renew_lease(self.engine, checkpoint_id, where.save_id, lease_rank, self.lease),
-        )
 
         def values() -> Iterator[tuple[str, memoryview]]:
             # Lazy: each item is resolved (and, for GPU tensors, copied to the CPU) only when
@@ -391,87 +495,22 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
                 loc = ItemLocation(
                     where.rank, n, view.nbytes, part_bytes, name=index_name(item.index)
                 )
-                if hash_pool is not None:
-                    # Large parts are hashed on another core while the engine sends (xxhash
-                    # releases the GIL); small ones inline, where a hand-off costs more.
-                    hashes.append(
-                        [
-                            hash_pool.submit(checksum, view[a:b])
-                            if b - a >= _ASYNC_HASH_BYTES
-                            else checksum(view[a:b])
-                            for a, b in part_ranges(view.nbytes, part_bytes)
-                        ]
-                    )
+                sums.add(view, part_bytes)
                 results.append(
                     WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=loc)
                 )
                 yield from loc.split(view, prefix, checkpoint_id, where.save_id)
 
-        self._session = where.session
-        hashes: list[list[Future_[int] | int]] = []
-        # An engine that hashes each value as it sends it does so cache-hot, in one pass over
-        # memory; otherwise large values are hashed on a worker thread meanwhile.
-        hash_in_engine = self.checksums and self.engine.hashes_while_writing
-        digests: dict[int, int | None] = {}
-        hash_pool = ThreadPoolExecutor(1) if self.checksums and not hash_in_engine else None
-        try:
-            planned = sum(_planned_bytes(item) for item in plan.items)
-            try:
-                self.engine.preflight(planned)
-            except StoreFullError:
-                if not self.engine.reuses_values:
-                    raise
-                # The spares retention kept are memory this save writes over, not adds to.
-                self.engine.preflight(max(0, planned - spare_bytes(self.engine)))
-            with gc_paused():
-                self.engine.put_many(
-                    values(),
-                    on_value=digests.__setitem__ if hash_in_engine else None,
-                    hasher=new_checksum if hash_in_engine else None,
-                    # where the engine keeps retired values as spares, each value is written
-                    # over the spare of the value at its place in an earlier save (same rank,
-                    # item and part)
-                    spare_of=functools.partial(spare_key, prefix),
-                )
-            self.engine.sync_replicas()
-            self.engine.get_ready(sum(wr.size_in_bytes for wr in results), self._saves_held())
-            if hash_in_engine:
-                results[:] = self._engine_checksums(results, digests)
-            elif hash_pool is not None:
-                results[:] = [
-                    _with_checksums(wr, tuple(f if isinstance(f, int) else f.result() for f in fs))
-                    for wr, fs in zip(results, hashes, strict=True)
-                ]
-        except BaseException:
-            self._discard_failed(checkpoint_id, where, lease_rank)
-            raise
-        finally:
-            if hash_pool is not None:
-                hash_pool.shutdown(wait=True)
-        self._check_session(checkpoint_id)
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
-
-    def _engine_checksums(
-        self, results: list[WriteResult], digests: dict[int, int | None]
-    ) -> list[WriteResult]:
-        """``results`` with the checksums the engine reported for their parts, numbered in the
-        order they were handed to it."""
-        out, i = [], 0
-        for wr in results:
-            loc: ItemLocation = wr.storage_data
-            count = len(part_ranges(loc.nbytes, loc.part_bytes))
-            sums = tuple(digests.get(j) for j in range(i, i + count))
-            if None in sums:
-                raise RuntimeError(
-                    f"{self.engine.url}: the engine says it hashes values while writing "
-                    f"(hashes_while_writing) but reported no checksum for a part of "
-                    f"{wr.index.fqn!r}; fix the engine or save with checksums=False"
-                )
-            out.append(_with_checksums(wr, sums))  # type: ignore[arg-type]
-            i += count
-        return out
+        with gc_paused():
+            self.engine.put_many(
+                values(),
+                on_value=sums.on_value,
+                hasher=sums.hasher,
+                # where the engine keeps retired values as spares, each value is written over
+                # the spare of the value at its place in an earlier save (same rank, item and
+                # part)
+                spare_of=functools.partial(spare_key, prefix),
+            )
 
     def _session_id(self) -> str | None:
         return self.engine.session_id()
@@ -543,7 +582,7 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
             ) from None
         if self.keep_last is not None:
             try:
-                gc(
+                collect_garbage(
                     self.engine,
                     keep_last=self.keep_last,
                     protect=self._protected(checkpoint_id),

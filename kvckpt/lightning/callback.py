@@ -139,7 +139,7 @@ class KVCheckpoint(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
-            self._drop_crashed()
+            self._discard_crashed()
         self._last_step = trainer.global_step  # no save of the step a resume starts from
 
     def on_train_batch_end(
@@ -247,7 +247,7 @@ class KVCheckpoint(Callback):
                 with contextlib.suppress(CheckpointNotFoundError):
                     delete_checkpoint(engine, checkpoint_id, reuse=True)
 
-    def _drop_crashed(self) -> None:
+    def _discard_crashed(self) -> None:
         """Drop this callback's saves that never committed (a job killed mid-save), which
         would otherwise hold their ids' write leases and data until ``kvckpt gc``."""
         for engine in self.engines:

@@ -50,7 +50,7 @@ def _dcp_errors() -> Iterator[None]:
         raise failures[0][0] from None
 
 
-def _drop_crashed_saves(engine: Engine, checkpoint_id: str) -> None:
+def _discard_crashed_saves(engine: Engine, checkpoint_id: str) -> None:
     """Drop uncommitted saves of ``checkpoint_id`` (a writer that died mid-save holds its write
     lease for up to a minute, and the id would refuse a new save meanwhile). Lightning writes
     each id from global rank 0 only, one save at a time, so any such save is a dead one."""
@@ -75,7 +75,7 @@ def save_checkpoint(
     tensors, skeleton = (
         checkpoint if isinstance(checkpoint, tuple) else split_checkpoint(checkpoint)
     )
-    _drop_crashed_saves(writer.engine, checkpoint_id)
+    _discard_crashed_saves(writer.engine, checkpoint_id)
     state: dict[str, Any] = dict(tensors)
     state[SKELETON_FQN] = torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)
     writer.reset(checkpoint_id)
