@@ -267,78 +267,107 @@ def peak_anon_rss_delta(fn: Callable[[], Any]) -> int:
 # -- the run --------------------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    scratch = Path(tempfile.mkdtemp(prefix="kvckpt-bench-", dir=shm))
-    disk = Path(tempfile.mkdtemp(prefix="kvckpt-bench-", dir=args.disk_dir))
-    redis_dir = Path(tempfile.mkdtemp(prefix="kvckpt-bench-redis-"))
-    unix_socket = redis_dir / "redis.sock"
-    server = RedisServer(redis_dir, "--unixsocket", str(unix_socket), "--unixsocketperm", "700")
-    redis_url = server.url()
-    unix_url = f"unix://{unix_socket}"
-    client = server.client()
-    results: dict[str, Any] = {}
-    seq = iter(range(10**9))
+class Bench:
+    """One benchmark run: the state dict, the stores and the Redis server every section
+    shares, and the results table each section records into."""
 
-    def fresh(base: Path) -> Path:
-        return base / f"d{next(seq)}"
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.reps = args, args.repeats
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        self.shm = shm
+        self.scratch = Path(tempfile.mkdtemp(prefix="kvckpt-bench-", dir=shm))
+        self.disk = Path(tempfile.mkdtemp(prefix="kvckpt-bench-", dir=args.disk_dir))
+        redis_dir = Path(tempfile.mkdtemp(prefix="kvckpt-bench-redis-"))
+        unix_socket = redis_dir / "redis.sock"
+        self.server = RedisServer(
+            redis_dir, "--unixsocket", str(unix_socket), "--unixsocketperm", "700"
+        )
+        self.redis_url = self.server.url()
+        self.unix_url = f"unix://{unix_socket}"
+        self.client = self.server.client()
+        self.results: dict[str, Any] = {}
+        self._seq = iter(range(10**9))
+        #: Checkpoint ids that never repeat (saves with keep_last)
+        self.ids = (f"c{i}" for i in range(10**9))
+        self.sd = make_state_dict(args.size_mib * MIB)
+        self.size = nbytes(self.sd)
+        self.dest = zeros_like(self.sd)
+        print(
+            f"state dict: {len(self.sd)} tensors, {self.size / MIB:.0f} MiB; repeats: {self.reps}"
+        )
+        #: The LMDB store of steady saves (keep_last=1), which the LMDB loads read
+        self.steady = f"lmdb://{self.fresh(self.scratch)}"
 
-    def record(name: str, times: list[float], size: int) -> None:
+    def fresh(self, base: Path) -> Path:
+        return base / f"d{next(self._seq)}"
+
+    def record(self, name: str, times: list[float], size: int | None = None) -> None:
+        size = self.size if size is None else size
         med = statistics.median(times)
-        results[name] = {"median_s": med, "gbps": size / med / 1e9, "runs_s": times}
+        self.results[name] = {"median_s": med, "gbps": size / med / 1e9, "runs_s": times}
         print(
             f"  {name:<28} {size / med / 1e9:7.2f} GB/s  (median {med * 1e3:8.1f} ms)", flush=True
         )
 
     def record_turns(
+        self,
         cases: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]],
-        size: int,
+        size: int | None = None,
         after: Callable[[], Any] | None = None,
     ) -> None:
-        for name, times in take_turns(cases, args.repeats, after).items():
-            record(name, times, size)
+        for name, times in take_turns(cases, self.reps, after).items():
+            self.record(name, times, size)
 
-    try:
-        sd = make_state_dict(args.size_mib * MIB)
-        size = nbytes(sd)
-        print(f"state dict: {len(sd)} tensors, {size / MIB:.0f} MiB; repeats: {args.repeats}")
-        dest = zeros_like(sd)
-        reps = args.repeats
+    def kv_save(self, url: str | Any, **options: Any) -> Callable[[], Any]:
+        return lambda: dcp.save(
+            self.sd, storage_writer=KVStorageWriter(url, **options), checkpoint_id="r"
+        )
 
-        # DCP FileSystemWriter / Reader
-        for label, base in (("shm", shm), ("disk", disk)):
+    def kv_load(self, url: str, **options: Any) -> Callable[[], Any]:
+        return lambda: dcp.load(
+            self.dest, storage_reader=KVStorageReader(url, **options), checkpoint_id="r"
+        )
+
+    def close(self) -> None:
+        self.server.stop()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        shutil.rmtree(self.disk, ignore_errors=True)
+
+    # -- the sections, in the order they run ---------------------------------------------
+
+    def dcp_files(self) -> None:
+        """DCP's FileSystemWriter / Reader on /dev/shm and on disk, and torch.save / load."""
+        sd, dest, reps = self.sd, self.dest, self.reps
+        for label, base in (("shm", self.shm), ("disk", self.disk)):
             for threads in (1, 2):
                 paths: list[Path] = []
-                record(
+                self.record(
                     f"dcp_fs_{label}_save_t{threads}",
                     timed(
-                        lambda t=threads, p=paths, b=base: dcp.save(
+                        lambda t=threads, p=paths: dcp.save(
                             sd, storage_writer=dcp.FileSystemWriter(p[-1], thread_count=t)
                         ),
                         reps,
-                        setup=lambda p=paths, b=base: p.append(fresh(b)),
+                        setup=lambda p=paths, b=base: p.append(self.fresh(b)),
                         teardown=lambda p=paths: shutil.rmtree(p[-1]),
                     ),
-                    size,
                 )
-            saved = fresh(base)
+            saved = self.fresh(base)
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(saved))
-            record(
+            self.record(
                 f"dcp_fs_{label}_load",
                 timed(lambda s=saved: dcp.load(dest, storage_reader=dcp.FileSystemReader(s)), reps),
-                size,
             )
             check(sd, dest)
             shutil.rmtree(saved)
-
-        # torch.save / torch.load on shm
-        pt = scratch / "sd.pt"
-        record("torch_save_shm", timed(lambda: torch.save(sd, pt), reps), size)
-        record("torch_load_shm", timed(lambda: torch.load(pt, weights_only=True), reps), size)
+        pt = self.scratch / "sd.pt"
+        self.record("torch_save_shm", timed(lambda: torch.save(sd, pt), reps))
+        self.record("torch_load_shm", timed(lambda: torch.load(pt, weights_only=True), reps))
         pt.unlink()
 
-        # raw LMDB
-        views = [(k, v) for k, v in tensor_parts(sd, 1 << 30)]
+    def raw_lmdb(self) -> None:
+        """LMDB's own put and get, with no kvckpt around them."""
+        views = [(k, v) for k, v in tensor_parts(self.sd, 1 << 30)]
         envs: list[lmdb.Environment] = []
 
         def raw_put() -> None:
@@ -347,18 +376,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     txn.put(k, v)
 
         def new_env() -> None:
-            path = fresh(scratch)
-            envs.append(lmdb.open(str(path), map_size=4 * size + 64 * MIB, writemap=True))
+            path = self.fresh(self.scratch)
+            envs.append(lmdb.open(str(path), map_size=4 * self.size + 64 * MIB, writemap=True))
 
         def close_env() -> None:
             path = envs[-1].path()
             envs[-1].close()
             shutil.rmtree(path)
 
-        record("raw_lmdb_put_new", timed(raw_put, reps, setup=new_env, teardown=close_env), size)
+        self.record(
+            "raw_lmdb_put_new", timed(raw_put, self.reps, setup=new_env, teardown=close_env)
+        )
         new_env()
         raw_put()
-        dviews = [v for _, v in tensor_parts(dest, 1 << 30)]
+        dviews = [v for _, v in tensor_parts(self.dest, 1 << 30)]
 
         def raw_get() -> None:
             with envs[-1].begin(buffers=True) as txn:
@@ -367,138 +398,82 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         torch.frombuffer(txn.get(k), dtype=torch.uint8)
                     )
 
-        record("raw_lmdb_get_copy", timed(raw_get, reps), size)
+        self.record("raw_lmdb_get_copy", timed(raw_get, self.reps))
         close_env()
 
-        # Every 1 GiB save that a target compares takes turns with its baseline, one repeat of
-        # each per round: kvckpt into LMDB and Redis, the raw-socket SET, and DCP's t=1 and t=2
-        # saves. Cases that start from nothing free their previous data just before (a new
-        # LMDB store after deleting the previous one, FLUSHDB, a new DCP directory after
-        # deleting the previous one): on a VM whose fresh-memory timings drift, a figure timed
-        # in a block is not comparable with one timed minutes later (the DCP blocks at the
-        # start of the run are still reported). The steady cases are a training job's pattern,
-        # the previous checkpoint still there during a save: repeated saves with keep_last=1
-        # into a live LMDB store and into Redis database 1, each writing a new checkpoint and
-        # then deleting the previous one, and DCP's counterpart (a new directory, then the
-        # previous one deleted, inside the timed save as keep_last's deletion is).
-        ids = (f"c{i}" for i in range(10**9))
-        first_urls: list[str] = []
+    def saves_taking_turns(self) -> None:
+        """Every save that a ratio compares, taking turns with its baseline, one repeat of each
+        per round: kvckpt into LMDB and Redis, the raw-socket SET, and DCP's t=1 and t=2.
 
-        def drop_first_stores() -> None:
-            # closing only these stores: unmapping the steady store would make its next save
-            # fault every page in again, which a training job's store never does
-            for url in first_urls:
-                close_idle_environments(url.removeprefix("lmdb://"))
-                shutil.rmtree(url.removeprefix("lmdb://"), ignore_errors=True)
-            first_urls.clear()
-
-        def next_lmdb_store() -> None:
-            drop_first_stores()
-            first_urls.append(f"lmdb://{fresh(scratch)}")
-
-        steady = f"lmdb://{fresh(scratch)}"
+        Cases that start from nothing free their previous data just before (a new LMDB store
+        after deleting the previous one, FLUSHDB, a new DCP directory after deleting the
+        previous one): on a VM whose fresh-memory timings drift, a figure timed in a block is
+        not comparable with one timed minutes later. The steady cases are a training job's
+        pattern, the previous checkpoint still there during a save: repeated saves with
+        keep_last=1 into a live LMDB store and into Redis database 1, each writing a new
+        checkpoint and then deleting the previous one, and DCP's counterpart (a new directory,
+        then the previous one deleted, inside the timed save as keep_last's deletion is)."""
+        sd, steady, redis_url, flush = self.sd, self.steady, self.redis_url, self.client.flushdb
+        first = _FirstStores(self)
+        dcp_dirs = _DcpDirs(self)
         for _ in range(2):  # warm up: freed pages exist to be reused
             dcp.save(
-                sd, storage_writer=KVStorageWriter(steady, keep_last=1), checkpoint_id=next(ids)
+                sd,
+                storage_writer=KVStorageWriter(steady, keep_last=1),
+                checkpoint_id=next(self.ids),
             )
-
-        raw = RawRedis(server.port)
-        part = int(kvckpt.open_store(redis_url).max_value_bytes)
-        items = tensor_parts(sd, part)
-        dest_items = [
-            (k, d) for (k, _), (_, d) in zip(items, tensor_parts(dest, part), strict=True)
-        ]
-
-        thread_hashing = kvckpt.open_store(redis_url)
-        thread_hashing.hashes_while_writing = False  # type: ignore[attr-defined]
-
-        def kv_save(url: str | Any, **options: Any) -> Callable[[], Any]:
-            return lambda: dcp.save(
-                sd, storage_writer=KVStorageWriter(url, **options), checkpoint_id="r"
-            )
-
-        def kv_load(url: str, **options: Any) -> Callable[[], Any]:
-            return lambda: dcp.load(
-                dest, storage_reader=KVStorageReader(url, **options), checkpoint_id="r"
-            )
-
-        steady_url = server.url(db=1)
+        steady_redis = self.server.url(db=1)
         for _ in range(2):
             dcp.save(
-                sd, storage_writer=KVStorageWriter(steady_url, keep_last=1), checkpoint_id=next(ids)
-            )
-        turn_dirs: dict[int, list[Path]] = {1: [], 2: []}
-        keep1_dirs: list[Path] = []
-
-        def next_dcp_dir(threads: int) -> Callable[[], None]:
-            def setup() -> None:
-                for old in turn_dirs[threads]:
-                    shutil.rmtree(old, ignore_errors=True)
-                turn_dirs[threads][:] = [fresh(scratch)]
-
-            return setup
-
-        def dcp_save_turn(threads: int) -> Callable[[], None]:
-            return lambda: dcp.save(
                 sd,
-                storage_writer=dcp.FileSystemWriter(turn_dirs[threads][-1], thread_count=threads),
+                storage_writer=KVStorageWriter(steady_redis, keep_last=1),
+                checkpoint_id=next(self.ids),
             )
-
-        def dcp_save_keep1() -> None:
-            keep1_dirs.append(fresh(scratch))
-            dcp.save(sd, storage_writer=dcp.FileSystemWriter(keep1_dirs[-1], thread_count=1))
-            for old in keep1_dirs[:-1]:
-                shutil.rmtree(old)
-            del keep1_dirs[:-1]
-
-        dcp_save_keep1()
-
-        record_turns(
+        raw = RawRedis(self.server.port)
+        items = tensor_parts(sd, self.redis_part_bytes())
+        thread_hashing = kvckpt.open_store(redis_url)
+        thread_hashing.hashes_while_writing = False
+        dcp_dirs.save_keep1()
+        self.record_turns(
             {
-                "kv_lmdb_save_first": (
-                    lambda: dcp.save(
-                        sd, storage_writer=KVStorageWriter(first_urls[-1]), checkpoint_id="c"
-                    ),
-                    next_lmdb_store,
-                ),
-                "kv_lmdb_save_steady": (
-                    lambda: dcp.save(
-                        sd,
-                        storage_writer=KVStorageWriter(steady, keep_last=1),
-                        checkpoint_id=next(ids),
-                    ),
-                    None,
-                ),
-                "dcp_fs_shm_save_t1_turns": (dcp_save_turn(1), next_dcp_dir(1)),
-                "dcp_fs_shm_save_t2_turns": (dcp_save_turn(2), next_dcp_dir(2)),
-                "raw_redis_set": (lambda: raw.set_many(items), client.flushdb),
-                "kv_redis_save": (kv_save(redis_url), client.flushdb),
-                "kv_redis_save_nosum": (kv_save(redis_url, checksums=False), client.flushdb),
-                # checksums hashed on a worker thread while the engine sends (how saves hashed
-                # before hashes_while_writing, and how they do for engines without it)
-                "kv_redis_save_sum_thread": (kv_save(thread_hashing), client.flushdb),
-                "kv_redis_unix_save": (kv_save(unix_url), client.flushdb),
-                "kv_redis_save_steady": (
-                    lambda: dcp.save(
-                        sd,
-                        storage_writer=KVStorageWriter(steady_url, keep_last=1),
-                        checkpoint_id=next(ids),
-                    ),
-                    None,
-                ),
-                "dcp_fs_shm_save_t1_keep1": (dcp_save_keep1, None),
-            },
-            size,
+                "kv_lmdb_save_first": (first.save, first.next_store),
+                "kv_lmdb_save_steady": (self.steady_save(steady), None),
+                "dcp_fs_shm_save_t1_turns": (dcp_dirs.save(1), dcp_dirs.next_dir(1)),
+                "dcp_fs_shm_save_t2_turns": (dcp_dirs.save(2), dcp_dirs.next_dir(2)),
+                "raw_redis_set": (lambda: raw.set_many(items), flush),
+                "kv_redis_save": (self.kv_save(redis_url), flush),
+                "kv_redis_save_nosum": (self.kv_save(redis_url, checksums=False), flush),
+                # checksums hashed on a worker thread while the engine sends (how engines
+                # without hashes_while_writing hash)
+                "kv_redis_save_sum_thread": (self.kv_save(thread_hashing), flush),
+                "kv_redis_unix_save": (self.kv_save(self.unix_url), flush),
+                "kv_redis_save_steady": (self.steady_save(steady_redis), None),
+                "dcp_fs_shm_save_t1_keep1": (dcp_dirs.save_keep1, None),
+            }
         )
-        drop_first_stores()
-        for old in (*(d for ds in turn_dirs.values() for d in ds), *keep1_dirs):
-            shutil.rmtree(old, ignore_errors=True)
-        client.flushall()
+        first.drop()
+        dcp_dirs.drop()
+        self.client.flushall()
 
-        # kvckpt LMDB loads, from the steady store
+    def steady_save(self, url: str) -> Callable[[], Any]:
+        """A save of a new checkpoint with keep_last=1, as a training job saves."""
+        return lambda: dcp.save(
+            self.sd,
+            storage_writer=KVStorageWriter(url, keep_last=1),
+            checkpoint_id=next(self.ids),
+        )
+
+    def redis_part_bytes(self) -> int:
+        return int(kvckpt.open_store(self.redis_url).max_value_bytes)
+
+    def lmdb_loads(self) -> None:
+        """kvckpt LMDB loads from the steady store, with and without checking checksums."""
+        steady, dest = self.steady, self.dest
         latest = kvckpt.latest_checkpoint(steady)
-        dcp.save(sd, storage_writer=KVStorageWriter(steady, checksums=True), checkpoint_id="sum")
-        record_turns(
+        dcp.save(
+            self.sd, storage_writer=KVStorageWriter(steady, checksums=True), checkpoint_id="sum"
+        )
+        self.record_turns(
             {
                 "kv_lmdb_load": (
                     lambda: dcp.load(
@@ -515,139 +490,91 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     lambda: zero(dest),
                 ),
             },
-            size,
-            after=lambda: check(sd, dest),
+            after=lambda: check(self.sd, dest),
         )
         close_idle_environments()
         shutil.rmtree(steady.removeprefix("lmdb://"))
 
-        # Redis loads: the raw-socket client and kvckpt over TCP and over a Unix socket (a Redis
-        # on the same node), taking turns
+    def redis_loads(self) -> None:
+        """Redis loads: the raw-socket client and kvckpt over TCP and over a Unix socket (a
+        Redis on the same node), taking turns."""
+        raw, dest = RawRedis(self.server.port), self.dest
+        part = self.redis_part_bytes()
+        items = tensor_parts(self.sd, part)
+        dest_items = [
+            (k, d) for (k, _), (_, d) in zip(items, tensor_parts(dest, part), strict=True)
+        ]
         raw.set_many(items)  # the raw client's keys and kvckpt's checkpoint, side by side
-        kv_save(redis_url)()
-        record_turns(
+        self.kv_save(self.redis_url)()
+        url = self.redis_url
+        self.record_turns(
             {
                 "raw_redis_get_into": (lambda: raw.get_into(dest_items), lambda: zero(dest)),
-                "kv_redis_load": (kv_load(redis_url), lambda: zero(dest)),
-                "kv_redis_load_noverify": (kv_load(redis_url, verify=False), lambda: zero(dest)),
-                "kv_redis_unix_load": (kv_load(unix_url), lambda: zero(dest)),
+                "kv_redis_load": (self.kv_load(url), lambda: zero(dest)),
+                "kv_redis_load_noverify": (self.kv_load(url, verify=False), lambda: zero(dest)),
+                "kv_redis_unix_load": (self.kv_load(self.unix_url), lambda: zero(dest)),
             },
-            size,
-            after=lambda: check(sd, dest),
+            after=lambda: check(self.sd, dest),
         )
-        client.flushall()
+        self.client.flushall()
 
-        # 10,000 small tensors: save + load wall time
-        small = {f"p{i}": torch.rand(1024) for i in range(args.small_tensors)}
+    def small_tensors(self) -> None:
+        """Many small tensors (10,000 by default): save + load wall time."""
+        small = {f"p{i}": torch.rand(1024) for i in range(self.args.small_tensors)}
         small_dest = {k: torch.zeros_like(v) for k, v in small.items()}
-        small_size = nbytes(small)
 
         def round_trip(make_writer: Callable[[], Any], make_reader: Callable[[], Any]) -> None:
             dcp.save(small, storage_writer=make_writer(), checkpoint_id=None)
             dcp.load(small_dest, storage_reader=make_reader())
 
+        def kv_round_trip(url: str) -> Callable[[], None]:
+            return lambda: round_trip(
+                lambda: KVStorageWriter(url, checkpoint_id="s"),
+                lambda: KVStorageReader(url, checkpoint_id="s"),
+            )
+
         small_dir: list[Path] = []
-        small_lmdb = f"lmdb://{fresh(scratch)}"
-        record_turns(
+        self.record_turns(
             {
                 "small_dcp_fs_shm": (
                     lambda: round_trip(
                         lambda: dcp.FileSystemWriter(small_dir[-1]),
                         lambda: dcp.FileSystemReader(small_dir[-1]),
                     ),
-                    lambda: (zero(small_dest), small_dir.append(fresh(scratch))),
+                    lambda: (zero(small_dest), small_dir.append(self.fresh(self.scratch))),
                 ),
                 "small_kv_lmdb": (
-                    lambda: round_trip(
-                        lambda: KVStorageWriter(small_lmdb, checkpoint_id="s"),
-                        lambda: KVStorageReader(small_lmdb, checkpoint_id="s"),
-                    ),
+                    kv_round_trip(f"lmdb://{self.fresh(self.scratch)}"),
                     lambda: zero(small_dest),
                 ),
-                "small_kv_redis": (
-                    lambda: round_trip(
-                        lambda: KVStorageWriter(redis_url, checkpoint_id="s"),
-                        lambda: KVStorageReader(redis_url, checkpoint_id="s"),
-                    ),
-                    lambda: zero(small_dest),
-                ),
+                "small_kv_redis": (kv_round_trip(self.redis_url), lambda: zero(small_dest)),
             },
-            small_size,
+            nbytes(small),
             after=lambda: check(small, small_dest),
         )
-        client.flushall()
+        self.client.flushall()
 
-        # dcp.async_save: time until the call returns (what training waits for). The writers
-        # take turns, one repeat each, each round starting one writer further along, so that
-        # drift in the machine's memory state (page cache, a growing store on /dev/shm, freed
-        # pages handed back to the hypervisor) falls on all of them alike rather than on
-        # whichever ran last, or after a particular other. Staging is DCP's copy for every
-        # writer; the *_huge writers ask for huge pages on it (huge_pages=True,
-        # kvckpt/staging.py). runs_s[0] is each writer's first save.
-        async_dirs: list[Path] = []
+    def async_blocking(self) -> None:
+        """``dcp.async_save``: time until the call returns (what training waits for).
 
-        def fs_writer() -> Any:
-            async_dirs.append(fresh(scratch))
-            return dcp.FileSystemWriter(async_dirs[-1])
-
-        def drop_old_dirs() -> None:
-            # DCP's counterpart of keep_last=1, which frees a kvckpt store's previous
-            # checkpoint during the save: the previous directory goes once the save is done
-            # (deleting it just before the next DCP save would hand that save's staging copy
-            # the pages just freed, warm, which no other writer gets)
-            for old in async_dirs[:-1]:
-                shutil.rmtree(old, ignore_errors=True)
-            del async_dirs[:-1]
-
-        async_lmdb = f"lmdb://{fresh(scratch)}"
-        # Staging into one copy reused across saves (it stays in host memory between saves):
-        # for DCP, a DefaultStager kept across saves (FileSystemWriter's own
-        # cache_staged_state_dict=True pins its copy, which fails on a host without an
-        # accelerator); for kvckpt, one writer kept across saves with cache_staged_state_dict.
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        dcp_stager = DefaultStager(StagingOptions(False, False, False, False))
-        stagers = {"async_block_dcp_fs_shm_cached": dcp_stager}
-        cached_kv = KVStorageWriter(async_lmdb, keep_last=1, cache_staged_state_dict=True)
-
-        def reuse_kv_writer() -> Any:
-            cached_kv.reset(next(ids))
-            return cached_kv
-
-        writers: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]] = {
-            "async_block_dcp_fs_shm": (fs_writer, drop_old_dirs),
-            "async_block_kv_lmdb": (
-                lambda: KVStorageWriter(async_lmdb, checkpoint_id=next(ids), keep_last=1),
-                None,
-            ),
-            "async_block_kv_redis": (
-                lambda: KVStorageWriter(redis_url, checkpoint_id=next(ids), keep_last=1),
-                None,
-            ),
-            "async_block_kv_lmdb_huge": (
-                lambda: KVStorageWriter(
-                    async_lmdb, checkpoint_id=next(ids), keep_last=1, huge_pages=True
-                ),
-                None,
-            ),
-            "async_block_kv_redis_huge": (
-                lambda: KVStorageWriter(
-                    redis_url, checkpoint_id=next(ids), keep_last=1, huge_pages=True
-                ),
-                None,
-            ),
-            "async_block_dcp_fs_shm_cached": (fs_writer, drop_old_dirs),
-            "async_block_kv_lmdb_cached": (reuse_kv_writer, None),
-        }
-        blocked: dict[str, list[float]] = {name: [] for name in writers}
-        names = list(writers)
-        for r in range(reps):
+        The writers take turns, one repeat each, each round starting one writer further along,
+        so that drift in the machine's memory state (page cache, a growing store on /dev/shm,
+        freed pages handed back to the hypervisor) falls on all of them alike. Staging is
+        DCP's copy for every writer; the *_huge writers ask for huge pages on it
+        (huge_pages=True, kvckpt/staging.py). runs_s[0] is each writer's first save."""
+        writers = _AsyncWriters(self)
+        blocked: dict[str, list[float]] = {name: [] for name in writers.cases}
+        names = list(writers.cases)
+        for r in range(self.reps):
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                make_writer, after_save = writers[name]
+                make_writer, after_save = writers.cases[name]
                 writer = make_writer()
                 t0 = time.perf_counter()
                 fut = dcp.async_save(
-                    sd, storage_writer=writer, checkpoint_id=None, async_stager=stagers.get(name)
+                    self.sd,
+                    storage_writer=writer,
+                    checkpoint_id=None,
+                    async_stager=writers.stagers.get(name),
                 )
                 blocked[name].append(time.perf_counter() - t0)
                 getattr(fut, "upload_completion", fut).result()  # AsyncSaveResponse or Future
@@ -660,13 +587,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 del fut, writer
                 gc.collect()
                 time.sleep(0.25)
-        dcp_stager.close()
+        writers.close()
         for name, times in blocked.items():
-            record(name, times, size)
-        client.flushall()
+            self.record(name, times)
+        self.client.flushall()
 
-        # peak anonymous RSS above the state dict (one run each)
-        rss_lmdb = f"lmdb://{fresh(scratch)}"
+    def peak_rss(self) -> None:
+        """Peak anonymous RSS above the state dict, one run each."""
+        sd, dest, redis_url = self.sd, self.dest, self.redis_url
+        rss_lmdb = f"lmdb://{self.fresh(self.scratch)}"
         rss = {
             "kv_lmdb_save": peak_anon_rss_delta(
                 lambda: dcp.save(sd, storage_writer=KVStorageWriter(rss_lmdb), checkpoint_id="m")
@@ -681,16 +610,142 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 lambda: dcp.load(dest, storage_reader=KVStorageReader(redis_url), checkpoint_id="m")
             ),
         }
-        results["rss_delta_bytes"] = rss
-        results["state_dict_bytes"] = size
-        results["part_bytes_redis"] = part
+        self.results["rss_delta_bytes"] = rss
+        self.results["state_dict_bytes"] = self.size
+        self.results["part_bytes_redis"] = self.redis_part_bytes()
         for k, v in rss.items():
             print(f"  peak anon RSS above state dict, {k:<14} {v / MIB:8.1f} MiB")
+
+
+class _FirstStores:
+    """The first save into a new LMDB store: each turn gets a new store, after the previous
+    one is deleted."""
+
+    def __init__(self, bench: Bench) -> None:
+        self.bench, self.urls = bench, list[str]()
+
+    def drop(self) -> None:
+        # closing only these stores: unmapping the steady store would make its next save
+        # fault every page in again, which a training job's store never does
+        for url in self.urls:
+            close_idle_environments(url.removeprefix("lmdb://"))
+            shutil.rmtree(url.removeprefix("lmdb://"), ignore_errors=True)
+        self.urls.clear()
+
+    def next_store(self) -> None:
+        self.drop()
+        self.urls.append(f"lmdb://{self.bench.fresh(self.bench.scratch)}")
+
+    def save(self) -> None:
+        dcp.save(self.bench.sd, storage_writer=KVStorageWriter(self.urls[-1]), checkpoint_id="c")
+
+
+class _DcpDirs:
+    """DCP's saves that take turns: into a new directory (the previous one deleted just
+    before), and keeping one (the previous one deleted after the save, inside the timing)."""
+
+    def __init__(self, bench: Bench) -> None:
+        self.bench = bench
+        self.turn_dirs: dict[int, list[Path]] = {1: [], 2: []}
+        self.keep1_dirs: list[Path] = []
+
+    def next_dir(self, threads: int) -> Callable[[], None]:
+        def setup() -> None:
+            for old in self.turn_dirs[threads]:
+                shutil.rmtree(old, ignore_errors=True)
+            self.turn_dirs[threads][:] = [self.bench.fresh(self.bench.scratch)]
+
+        return setup
+
+    def save(self, threads: int) -> Callable[[], None]:
+        return lambda: dcp.save(
+            self.bench.sd,
+            storage_writer=dcp.FileSystemWriter(self.turn_dirs[threads][-1], thread_count=threads),
+        )
+
+    def save_keep1(self) -> None:
+        self.keep1_dirs.append(self.bench.fresh(self.bench.scratch))
+        dcp.save(
+            self.bench.sd, storage_writer=dcp.FileSystemWriter(self.keep1_dirs[-1], thread_count=1)
+        )
+        for old in self.keep1_dirs[:-1]:
+            shutil.rmtree(old)
+        del self.keep1_dirs[:-1]
+
+    def drop(self) -> None:
+        for old in (*(d for ds in self.turn_dirs.values() for d in ds), *self.keep1_dirs):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+class _AsyncWriters:
+    """The writers whose ``dcp.async_save`` blocking time is compared: (make a writer, what
+    follows its save) by name, and the stagers some of them reuse."""
+
+    def __init__(self, bench: Bench) -> None:
+        self.bench = bench
+        self.dirs: list[Path] = []
+        lmdb_url = f"lmdb://{bench.fresh(bench.scratch)}"
+        # Staging into one copy reused across saves (it stays in host memory between saves):
+        # for DCP, a DefaultStager kept across saves (FileSystemWriter's own
+        # cache_staged_state_dict=True pins its copy, which fails on a host without an
+        # accelerator); for kvckpt, one writer kept across saves with cache_staged_state_dict.
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.dcp_stager = DefaultStager(StagingOptions(False, False, False, False))
+        self.stagers = {"async_block_dcp_fs_shm_cached": self.dcp_stager}
+        cached = KVStorageWriter(lmdb_url, keep_last=1, cache_staged_state_dict=True)
+
+        def reuse_cached() -> Any:
+            cached.reset(next(bench.ids))
+            return cached
+
+        def kv(url: str, **options: Any) -> Callable[[], Any]:
+            return lambda: KVStorageWriter(
+                url, checkpoint_id=next(bench.ids), keep_last=1, **options
+            )
+
+        redis_url = bench.redis_url
+        self.cases: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]] = {
+            "async_block_dcp_fs_shm": (self.fs_writer, self.drop_old_dirs),
+            "async_block_kv_lmdb": (kv(lmdb_url), None),
+            "async_block_kv_redis": (kv(redis_url), None),
+            "async_block_kv_lmdb_huge": (kv(lmdb_url, huge_pages=True), None),
+            "async_block_kv_redis_huge": (kv(redis_url, huge_pages=True), None),
+            "async_block_dcp_fs_shm_cached": (self.fs_writer, self.drop_old_dirs),
+            "async_block_kv_lmdb_cached": (reuse_cached, None),
+        }
+
+    def fs_writer(self) -> Any:
+        self.dirs.append(self.bench.fresh(self.bench.scratch))
+        return dcp.FileSystemWriter(self.dirs[-1])
+
+    def drop_old_dirs(self) -> None:
+        # DCP's counterpart of keep_last=1, which frees a kvckpt store's previous checkpoint
+        # during the save: the previous directory goes once the save is done (deleting it just
+        # before the next DCP save would hand that save's staging copy the pages just freed,
+        # warm, which no other writer gets)
+        for old in self.dirs[:-1]:
+            shutil.rmtree(old, ignore_errors=True)
+        del self.dirs[:-1]
+
+    def close(self) -> None:
+        self.dcp_stager.close()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    bench = Bench(args)
+    try:
+        bench.dcp_files()
+        bench.raw_lmdb()
+        bench.saves_taking_turns()
+        bench.lmdb_loads()
+        bench.redis_loads()
+        bench.small_tensors()
+        bench.async_blocking()
+        bench.peak_rss()
     finally:
-        server.stop()
-        shutil.rmtree(scratch, ignore_errors=True)
-        shutil.rmtree(disk, ignore_errors=True)
-    return results
+        bench.close()
+    return bench.results
 
 
 #: The ratios the report gives: (label, case, baseline, what is compared, target or note).

@@ -48,6 +48,7 @@ from .stores import open_store
 if TYPE_CHECKING:
     from .reader import KVStorageReader
     from .restore import RestoreStats, TieredStorageReader
+    from .safetensors_export import export_safetensors
     from .staging import background_stager
     from .tiered import TieredStorageWriter, Tiers
     from .transfer import DirectoryReader
@@ -59,6 +60,7 @@ _LAZY = {
     "TieredStorageReader": "restore",
     "KVStorageReader": "reader",
     "background_stager": "staging",
+    "export_safetensors": "safetensors_export",
     "TieredStorageWriter": "tiered",
     "Tiers": "tiered",
     "DirectoryReader": "transfer",
@@ -113,6 +115,7 @@ __all__ = [
     "UnwritablePathError",
     "background_stager",
     "delete_checkpoint",
+    "export_safetensors",
     "gc",
     "latest_checkpoint",
     "list_checkpoints",

@@ -240,6 +240,54 @@ def ls_command(url: str, show_all: bool, as_json: bool) -> None:
     click.echo(table(("ID", "CREATED", "SIZE", "ITEMS", "WORLD", "STATUS"), rows, {2, 3, 4}))
 
 
+@main.command("stats")
+@click.argument("url")
+@json_option
+@handle_errors
+def stats_command(url: str, as_json: bool) -> None:
+    """A store's checkpoints, their bytes, and the store's memory in use and its limit.
+
+    --json: {"url", "checkpoints", "checkpoint_bytes", "used_bytes", "limit_bytes",
+    "limit_from"} (the byte counts null where the store cannot tell).
+
+    \b
+    Example:
+      kvckpt stats redis://localhost:6379/0
+    """
+    engine = open_store(url, create=False)
+    infos = manage.stored_checkpoints(engine, include_incomplete=False)
+    usage = engine.usage()
+    held = sum(i.total_bytes for i in infos)
+    if as_json:
+        _emit(
+            {
+                "url": engine.url,
+                "checkpoints": len(infos),
+                "checkpoint_bytes": held,
+                "used_bytes": usage.used_bytes,
+                "limit_bytes": usage.limit_bytes,
+                "limit_from": usage.limit_from or None,
+            }
+        )
+        return
+    click.echo(f"store        {engine.url}")
+    click.echo(f"checkpoints  {len(infos)}, {human_bytes(held)} of tensor data")
+    used = "unknown" if usage.used_bytes is None else human_bytes(usage.used_bytes)
+    if usage.limit_bytes is None:
+        limit = f"no limit set ({usage.limit_from})" if usage.limit_from else "limit unknown"
+    else:
+        share = f" ({usage.used_bytes / usage.limit_bytes:.0%})" if usage.used_bytes else ""
+        limit = f"of {human_bytes(usage.limit_bytes)}{share}, {usage.limit_from}"
+    click.echo(f"memory       {used} in use, {limit}")
+    if infos:
+        rows = [
+            (i.checkpoint_id, _time(i.created_at), human_bytes(i.total_bytes), i.num_items)
+            for i in infos
+        ]
+        click.echo("")
+        click.echo(table(("ID", "CREATED", "SIZE", "ITEMS"), rows, {2, 3}))
+
+
 def _summaries(engine: Engine, checkpoint_id: str) -> list[dict[str, Any]]:
     """A checkpoint's metadata, decoded without torch (``format.decode_summary``): one for a
     collective save, one per rank for a rank-local one."""
@@ -526,27 +574,96 @@ def verify_command(url: str, checkpoint_id: str, quiet: bool, as_json: bool) -> 
 @click.argument("url")
 @click.argument("checkpoint_id")
 @click.argument("directory", type=click.Path(file_okay=False))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["dcp", "safetensors"]),
+    default="dcp",
+    show_default=True,
+    help="dcp: a standard DCP directory. safetensors: Hugging Face safetensors shards of "
+    "full tensors plus model.safetensors.index.json.",
+)
+@click.option(
+    "--prefix",
+    default="model.",
+    show_default=True,
+    help="safetensors: export the tensors under this prefix, named without it ('' for all).",
+)
+@click.option("--include", default=None, help="safetensors: a regex the names must match.")
+@click.option(
+    "--dtype", default=None, help="safetensors: write floating-point tensors as, e.g., bfloat16."
+)
+@click.option(
+    "--max-shard-size",
+    default="5GB",
+    show_default=True,
+    help="safetensors: the most bytes of tensor data in one file (e.g. 2GB, 500MiB).",
+)
 @quiet_option
 @json_option
 @handle_errors
 def export_command(
-    url: str, checkpoint_id: str, directory: str, quiet: bool, as_json: bool
+    url: str,
+    checkpoint_id: str,
+    directory: str,
+    fmt: str,
+    prefix: str,
+    include: str | None,
+    dtype: str | None,
+    max_shard_size: str,
+    quiet: bool,
+    as_json: bool,
 ) -> None:
-    """Write a checkpoint as a standard DCP directory (read by stock dcp.load).
+    """Write a checkpoint as a standard DCP directory (read by stock dcp.load), or as Hugging
+    Face safetensors for evaluation and serving (--format safetensors).
 
-    --json: {"checkpoint_id", "directory"}.
+    --json: {"checkpoint_id", "directory", "format"}.
 
     \b
     Example:
       kvckpt export redis://localhost:6379/0 step-100 /checkpoints/step-100
+      kvckpt export lmdb:///dev/shm/ckpt step-100 /models/step-100 --format safetensors \\
+          --dtype bfloat16
     """
-    from . import transfer
+    if fmt == "safetensors":
+        from .safetensors_export import export_safetensors
 
-    out = transfer.export_checkpoint(url, checkpoint_id, directory, progress=_progress(quiet))
+        out = export_safetensors(
+            url,
+            checkpoint_id,
+            directory,
+            prefix=prefix,
+            include=include,
+            dtype=dtype,
+            max_shard_bytes=_parse_size(max_shard_size),
+        )
+    else:
+        from . import transfer
+
+        out = transfer.export_checkpoint(url, checkpoint_id, directory, progress=_progress(quiet))
     if as_json:
-        _emit({"checkpoint_id": checkpoint_id, "directory": str(out)})
+        _emit({"checkpoint_id": checkpoint_id, "directory": str(out), "format": fmt})
         return
-    click.echo(f"exported {checkpoint_id} to {out}")
+    click.echo(f"exported {checkpoint_id} to {out}" + (" as safetensors" if fmt != "dcp" else ""))
+
+
+def _parse_size(text: str) -> int:
+    """Bytes of a size such as ``5GB``, ``500MiB`` or ``1000000``."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    units |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+    number = text.strip()
+    digits = number.rstrip("KMGTBIkmgtbi")
+    unit = number[len(digits) :].upper()
+    try:
+        value = float(digits)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise click.BadParameter(
+            f"{text!r} is not a size: write e.g. 5GB, 500MiB or 1000000",
+            param_hint="--max-shard-size",
+        )
+    return int(value * units[unit])
 
 
 @main.command("import")

@@ -367,22 +367,7 @@ def _encode_metadata(
     rank: int | None = None,
     created_at: float | None = None,
 ) -> bytes:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-
-    tensors: dict[str, Any] = {}
-    objects: list[str] = []
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            tensors[fqn] = {
-                "dtype": dtype_name(md.properties.dtype),
-                "size": list(md.size),
-                "requires_grad": bool(md.properties.requires_grad),
-                "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks],
-            }
-        elif isinstance(md, BytesStorageMetadata):
-            objects.append(fqn)
-        else:
-            raise TypeError(f"unknown DCP storage metadata {type(md).__name__} for {fqn!r}")
+    tensors, objects = _encode_tensors(metadata)
     items: list[list[Any]] = [
         [
             idx.fqn,
@@ -396,27 +381,7 @@ def _encode_metadata(
         ]
         for idx, loc in locations.items()
     ]
-    # The metadata says where the data is: locations of a format 1 save (no names, keys by
-    # plan position; metadata rewritten in place, as Megatron's removal of tensors does)
-    # stay format 1, and any other save is format 2 throughout.
-    version = FORMAT_VERSION
-    if items and all(item[7] is None for item in items):
-        version = 1
-    elif bad := next((i for i in items if i[7] is None or not ITEM_NAME.fullmatch(i[7])), None):
-        if bad[7] is not None:
-            raise ValueError(
-                f"checkpoint {checkpoint_id!r}: item {bad[0]!r} has the data key name "
-                f"{bad[7]!r}, which is not an item name (docs/FORMAT.md, *Data keys*)"
-            )
-        raise ValueError(
-            f"checkpoint {checkpoint_id!r}: items located by format 1 keys and by format 2 "
-            "keys cannot be in one checkpoint"
-        )
-    if len({(item[2], item[3 if version == 1 else 7]) for item in items}) != len(items):
-        raise ValueError(
-            f"checkpoint {checkpoint_id!r}: two items of one rank have the same data keys "
-            "(in format 2, a hash collision of two long fqns): rename one of them"
-        )
+    version = _version_of(items, checkpoint_id)
     if version == 1:
         items = [item[:7] for item in items]
     sm = metadata.storage_meta
@@ -448,6 +413,54 @@ def _encode_metadata(
         return _packb(doc)
     except TypeError as e:
         raise TypeError(f"cannot encode metadata of checkpoint {checkpoint_id!r}: {e}") from None
+
+
+def _encode_tensors(metadata: Metadata) -> tuple[dict[str, Any], list[str]]:
+    """The ``tensors`` map and ``objects`` list of a metadata value."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    tensors: dict[str, Any] = {}
+    objects: list[str] = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            tensors[fqn] = {
+                "dtype": dtype_name(md.properties.dtype),
+                "size": list(md.size),
+                "requires_grad": bool(md.properties.requires_grad),
+                "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks],
+            }
+        elif isinstance(md, BytesStorageMetadata):
+            objects.append(fqn)
+        else:
+            raise TypeError(f"unknown DCP storage metadata {type(md).__name__} for {fqn!r}")
+    return tensors, objects
+
+
+def _version_of(items: list[list[Any]], checkpoint_id: str) -> int:
+    """The format version the encoded ``items`` are written in, checked.
+
+    The metadata says where the data is: locations of a format 1 save (no names, keys by plan
+    position; metadata rewritten in place, as Megatron's removal of tensors does) stay format
+    1, and any other save is format 2 throughout."""
+    version = FORMAT_VERSION
+    if items and all(item[7] is None for item in items):
+        version = 1
+    elif bad := next((i for i in items if i[7] is None or not ITEM_NAME.fullmatch(i[7])), None):
+        if bad[7] is not None:
+            raise ValueError(
+                f"checkpoint {checkpoint_id!r}: item {bad[0]!r} has the data key name "
+                f"{bad[7]!r}, which is not an item name (docs/FORMAT.md, *Data keys*)"
+            )
+        raise ValueError(
+            f"checkpoint {checkpoint_id!r}: items located by format 1 keys and by format 2 "
+            "keys cannot be in one checkpoint"
+        )
+    if len({(item[2], item[3 if version == 1 else 7]) for item in items}) != len(items):
+        raise ValueError(
+            f"checkpoint {checkpoint_id!r}: two items of one rank have the same data keys "
+            "(in format 2, a hash collision of two long fqns): rename one of them"
+        )
+    return version
 
 
 # -- decode -------------------------------------------------------------------------------
@@ -688,16 +701,7 @@ def _decode_save(chk: _Checker, doc: dict[str, Any]) -> tuple[float, int, int | 
 
 
 def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
-    import torch
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+    from torch.distributed.checkpoint.metadata import Metadata
 
     chk, doc, checkpoint_id, save_id = _decode_header(raw, where)
     created_at, world_size, rank = _decode_save(chk, doc)
@@ -705,15 +709,46 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
         raise chk.fail("byteorder should be 'little'")
     if chk.get(doc, "checksum", str, optional=True) not in (None, CHECKSUM):
         raise chk.fail(f"unknown checksum algorithm {doc.get('checksum')!r}")
+    # The loops of the functions below run once per tensor and per item (10,000s): they check
+    # types with ``type(x) is int`` (bool is a subclass of int and must not pass) and build
+    # each DCP object once, because decoding is on the critical path of every load.
+    sd_meta, chunks = _decode_tensors(chk, doc)
+    metadata = Metadata(
+        state_dict_metadata=sd_meta,
+        planner_data=_decode_planner_data(chk, doc),
+        storage_data=_decode_locations(chk, doc, sd_meta, chunks),
+        storage_meta=_decode_storage_meta(chk, doc),
+        version=chk.get(doc, "dcp_version", str, optional=True),
+    )
+    return CheckpointRecord(
+        checkpoint_id=checkpoint_id,
+        save_id=save_id,
+        created_at=created_at,
+        world_size=world_size,
+        rank=rank,
+        total_bytes=chk.get(doc, "total_bytes", int),
+        metadata=metadata,
+        format_version=doc["version"],
+    )
 
-    # The loops below run once per tensor and per item (10,000s): they check types with
-    # ``type(x) is int`` (bool is a subclass of int and must not pass) and build each DCP object
-    # once, because decoding is on the critical path of every load.
+
+#: (fqn, offsets) -> (offsets as torch.Size, bytes, sizes, dtype) of every chunk of a tensor
+_Chunks = dict[tuple[str, tuple[int, ...]], tuple[Any, int, tuple[int, ...], Any]]
+
+
+def _decode_tensors(chk: _Checker, doc: dict[str, Any]) -> tuple[dict[str, Any], _Chunks]:
+    """DCP's ``state_dict_metadata`` of a metadata value (tensors and objects), checked, and
+    every tensor chunk by (fqn, offsets), for matching items to chunks."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
     sd_meta: dict[str, Any] = {}
-    # (fqn, offsets) -> (offsets as torch.Size, bytes, sizes, dtype) of every chunk
-    chunk_sizes: dict[
-        tuple[str, tuple[int, ...]], tuple[torch.Size, int, tuple[int, ...], Any]
-    ] = {}
+    chunk_sizes: _Chunks = {}
     properties: dict[tuple[torch.dtype, bool], TensorProperties] = {}
     # One torch.Size per distinct checked shape (immutable, so tensors may share it).
     sizes: dict[tuple[int, ...], torch.Size] = {}
@@ -730,19 +765,7 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
             raise chk.fail(f"field 'chunks' of {fqn!r} should be a list")
         chunks = []
         for c in raw_chunks:
-            if type(c) is not list or len(c) != 2:
-                raise chk.fail(f"chunk of {fqn!r} should be [offsets, sizes]")
-            off = _shape(chk, c[0], "chunk offsets", fqn)
-            sz = _shape(chk, c[1], "chunk sizes", fqn)
-            whole = sz == size and len(off) == len(size) and not any(off)  # the usual case
-            if not whole and (
-                len(off) != len(size)
-                or len(sz) != len(size)
-                or any(o + s > g for o, s, g in zip(off, sz, size, strict=True))
-            ):
-                raise chk.fail(
-                    f"chunk {list(off)}+{list(sz)} of {fqn!r} lies outside its size {list(size)}"
-                )
+            off, sz = _chunk_shape(chk, c, fqn, size)
             offsets = sizes.get(off) or sizes.setdefault(off, torch.Size(off))
             chunk_size = sizes.get(sz) or sizes.setdefault(sz, torch.Size(sz))
             chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=chunk_size))
@@ -757,6 +780,34 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
         if type(fqn) is not str:
             raise chk.fail("objects should be a list of strings")
         sd_meta[fqn] = BytesStorageMetadata()
+    return sd_meta, chunk_sizes
+
+
+def _chunk_shape(
+    chk: _Checker, c: Any, fqn: str, size: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A chunk's (offsets, sizes), checked to lie inside its tensor's ``size``."""
+    if type(c) is not list or len(c) != 2:
+        raise chk.fail(f"chunk of {fqn!r} should be [offsets, sizes]")
+    off = _shape(chk, c[0], "chunk offsets", fqn)
+    sz = _shape(chk, c[1], "chunk sizes", fqn)
+    whole = sz == size and len(off) == len(size) and not any(off)  # the usual case
+    if not whole and (
+        len(off) != len(size)
+        or len(sz) != len(size)
+        or any(o + s > g for o, s, g in zip(off, sz, size, strict=True))
+    ):
+        raise chk.fail(
+            f"chunk {list(off)}+{list(sz)} of {fqn!r} lies outside its size {list(size)}"
+        )
+    return off, sz
+
+
+def _decode_locations(
+    chk: _Checker, doc: dict[str, Any], sd_meta: dict[str, Any], chunks: _Chunks
+) -> dict[Any, ItemLocation]:
+    """Every item's ``MetadataIndex`` and location, checked against the tensors' chunks."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
     locations: dict[MetadataIndex, ItemLocation] = {}
     version = doc["version"]
@@ -774,7 +825,7 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
         else:
             # The chunk's offsets, checked above, are what the index gets: a list that only
             # compares equal to them (1.0 or True for 1) is looked up, never used.
-            chunk = chunk_sizes.get((fqn, tuple(offsets))) if type(offsets) is list else None
+            chunk = chunks.get((fqn, tuple(offsets))) if type(offsets) is list else None
             if chunk is None:
                 off = _shape(chk, offsets, "item offsets", fqn)
                 raise chk.fail(f"item {fqn!r} at {list(off)} matches no chunk of that tensor")
@@ -794,34 +845,21 @@ def _decode_metadata(raw: bytes, where: str) -> CheckpointRecord:
                 raise chk.fail(f"item {fqn!r}: checksums should be one 64-bit int per part")
             sums = tuple(sums)
         locations[index] = ItemLocation(irank, n, nbytes, part_bytes, sums, name)
+    return locations
+
+
+def _decode_storage_meta(chk: _Checker, doc: dict[str, Any]) -> Any:
+    """DCP's ``StorageMeta`` of a metadata value, or None."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
     sm = chk.get(doc, "storage_meta", dict, optional=True)
-    storage_meta = None
-    if sm is not None:
-        modules = sm.get("modules") or []
-        if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
-            raise chk.fail("storage_meta.modules should be a list of strings")
-        storage_meta = StorageMeta(
-            checkpoint_id=sm.get("checkpoint_id")
-            if isinstance(sm.get("checkpoint_id"), str)
-            else None,
-            save_id=sm.get("save_id") if isinstance(sm.get("save_id"), str) else None,
-            modules=modules,
-        )
-    metadata = Metadata(
-        state_dict_metadata=sd_meta,
-        planner_data=_decode_planner_data(chk, doc),
-        storage_data=locations,
-        storage_meta=storage_meta,
-        version=chk.get(doc, "dcp_version", str, optional=True),
-    )
-    return CheckpointRecord(
-        checkpoint_id=checkpoint_id,
-        save_id=save_id,
-        created_at=created_at,
-        world_size=world_size,
-        rank=rank,
-        total_bytes=chk.get(doc, "total_bytes", int),
-        metadata=metadata,
-        format_version=version,
+    if sm is None:
+        return None
+    modules = sm.get("modules") or []
+    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        raise chk.fail("storage_meta.modules should be a list of strings")
+    return StorageMeta(
+        checkpoint_id=sm.get("checkpoint_id") if isinstance(sm.get("checkpoint_id"), str) else None,
+        save_id=sm.get("save_id") if isinstance(sm.get("save_id"), str) else None,
+        modules=modules,
     )

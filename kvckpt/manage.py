@@ -377,49 +377,60 @@ def gc(
             except CheckpointNotFoundError:
                 pass  # deleted concurrently
 
-    expired, stale = _expired_and_stale(index, incomplete_older_than)
-    if stale or expired:
-        # The pending entries go first, in one transaction, and only the saves still pending
-        # then lose their data: a save that committed meanwhile keeps it, and one that is
-        # still writing finds its entry gone when it commits and fails (``commit``).
-        removed: dict[str, dict[str, Any]] = {}
-
-        def change(idx: Index) -> None:
-            removed.clear()
-            for name in stale:
-                if name in idx.pending:
-                    removed[name] = idx.pending.pop(name)
-            for name in expired:
-                idx.checkpoints.pop(name, None)
-
-        update_index(engine, change)
-        for name, p in removed.items():
-            cid, save_id, rank = p.get("checkpoint_id"), p.get("save_id"), p.get("rank")
-            if isinstance(cid, str) and isinstance(save_id, str):
-                report.deleted_keys += _delete_save_data(
-                    engine, cid, save_id, rank if isinstance(rank, int) else None
-                )
-            report.removed_incomplete.append(name)
-
+    _remove_incomplete(engine, index, incomplete_older_than, report)
     report.deleted_keys += collect_retired(engine)
 
     if scan_orphans:
-        # Scan first, read the index after: a save that starts meanwhile registers as pending
-        # before it writes any data, so its keys are seen as referenced.
-        found: dict[tuple[str, str], list[str]] = defaultdict(list)
-        for key in engine.scan(data_prefix(engine.prefix)):
-            save = _data_key_save(engine.prefix, key)
-            if save is not None:
-                found[save].append(key)
-        index = read_index(engine)
-        live = index.live_saves(remote=True)
-        for save, keys in found.items():
-            if save not in live:
-                report.deleted_keys += engine.delete(keys)
-                report.removed_incomplete.append(f"{save[0]}/{save[1]} (orphaned)")
-        if engine.reuses_values:  # spares are no checkpoint's data: not counted
-            engine.delete_prefix(spare_prefix(engine.prefix))
+        _remove_orphans(engine, report)
     return report
+
+
+def _remove_incomplete(engine: Engine, index: Index, older_than: float, report: GcReport) -> None:
+    """Remove the saves that started more than ``older_than`` seconds ago and never
+    committed, and the index entries of checkpoints whose keys have expired."""
+    expired, stale = _expired_and_stale(index, older_than)
+    if not (stale or expired):
+        return
+    # The pending entries go first, in one transaction, and only the saves still pending
+    # then lose their data: a save that committed meanwhile keeps it, and one that is
+    # still writing finds its entry gone when it commits and fails (``commit``).
+    removed: dict[str, dict[str, Any]] = {}
+
+    def change(idx: Index) -> None:
+        removed.clear()
+        for name in stale:
+            if name in idx.pending:
+                removed[name] = idx.pending.pop(name)
+        for name in expired:
+            idx.checkpoints.pop(name, None)
+
+    update_index(engine, change)
+    for name, p in removed.items():
+        cid, save_id, rank = p.get("checkpoint_id"), p.get("save_id"), p.get("rank")
+        if isinstance(cid, str) and isinstance(save_id, str):
+            report.deleted_keys += _delete_save_data(
+                engine, cid, save_id, rank if isinstance(rank, int) else None
+            )
+        report.removed_incomplete.append(name)
+
+
+def _remove_orphans(engine: Engine, report: GcReport) -> None:
+    """Delete data that no checkpoint and no save in progress refers to, and the spares."""
+    # Scan first, read the index after: a save that starts meanwhile registers as pending
+    # before it writes any data, so its keys are seen as referenced.
+    found: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for key in engine.scan(data_prefix(engine.prefix)):
+        save = _data_key_save(engine.prefix, key)
+        if save is not None:
+            found[save].append(key)
+    index = read_index(engine)
+    live = index.live_saves(remote=True)
+    for save, keys in found.items():
+        if save not in live:
+            report.deleted_keys += engine.delete(keys)
+            report.removed_incomplete.append(f"{save[0]}/{save[1]} (orphaned)")
+    if engine.reuses_values:  # spares are no checkpoint's data: not counted
+        engine.delete_prefix(spare_prefix(engine.prefix))
 
 
 def _beyond_keep_last(

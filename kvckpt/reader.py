@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from . import events
 from .adapter import KVStorageBase, byte_tensor, byte_view, new_save_id, valid_checkpoint_id
 from .catalog import (
     read_lease,
@@ -280,12 +281,15 @@ class KVStorageReader(KVStorageBase, StorageReader):
         record = self._record
         if record is None:
             raise KVCheckpointError("read_data called before read_metadata")
+        phase = events.Phase("restore", "read", record.checkpoint_id, self.engine.url)
         try:
             with gc_paused():
                 self._read_all(record, plan, planner)
         finally:
             self._host = None
             self._release_lease()
+        indexes = {req.storage_index for req in plan.items}
+        phase.end(sum(loc.nbytes for i, loc in record.locations.items() if i in indexes))
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

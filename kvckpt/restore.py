@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from . import events
 from .adapter import KVStorageBase, byte_tensor, byte_view, new_save_id, valid_checkpoint_id
 from .catalog import read_lease
 from .engines.base import Engine
@@ -461,6 +462,15 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         finally:
             self._release_leases()
             self.stats.seconds = time.perf_counter() - started
+        stats = self.stats
+        events.emit(
+            "restore",
+            "read",
+            record.checkpoint_id,
+            next((e.url for e in self.engines if e is not None), ""),  # the nearest it has
+            stats.seconds,
+            nbytes=stats.local + sum(stats.shared.values()) + stats.peers,
+        )
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 from torch.futures import Future as TorchFuture
 
+from . import events
 from .catalog import (
     LeaseRenewal,
     mark_pending,
@@ -318,6 +319,7 @@ class Tiers:
         locations: list[ItemLocation],
     ) -> None:
         """Copy one rank's values of a save from the first tier to ``tiers``."""
+        started = time.perf_counter()
         copy_values(
             self.engines[0],
             [self.engines[i] for i in tiers],
@@ -326,6 +328,13 @@ class Tiers:
             locations,
             self._renew_lease,
         )
+        seconds, nbytes = time.perf_counter() - started, sum(loc.nbytes for loc in locations)
+        rank = locations[0].rank if locations else None
+        for i in tiers:
+            events.emit(
+                "copy", "write", checkpoint_id, self.engines[i].url, seconds,
+                nbytes=nbytes, tier=i, rank=rank,
+            )  # fmt: skip
 
     def _commit_copies(
         self,
@@ -349,6 +358,7 @@ class Tiers:
                 if save_id in self._failed:
                     raise ReplicationError("this process's copy of its own keys failed (see above)")
                 self._await_keys(dst, checkpoint_id, save_id, locations)
+                phase = events.Phase("copy", "commit", checkpoint_id, dst.url, tier=i)
                 publish(
                     dst,
                     metadata,
@@ -360,6 +370,7 @@ class Tiers:
                 )
                 committed = True
                 dst.sync_replicas()
+                phase.end(sum(loc.nbytes for loc in locations.values()))
                 if self.keep_last is not None:
                     collect_garbage(
                         dst,
@@ -540,8 +551,10 @@ class Tiers:
             if not missing and (not whole or lists_save(dst, choice)):
                 return None
             mark_pending(dst, checkpoint_id, save_id, None, self.replicate_timeout)
+            phase = events.Phase("prefetch", "copy", checkpoint_id, src.url, tier=choice.tier)
             try:
                 copy_values(src, [dst], checkpoint_id, save_id, missing, renew)
+                phase.end(sum(loc.nbytes for loc in missing))
                 if whole:
                     publish(
                         dst,
@@ -618,7 +631,11 @@ class Tiers:
         Each byte comes from the nearest place that holds it (``TieredStorageReader``): this
         node's store, another node's (sent over the process group), then the shared tiers.
         ``last_restore_stats`` then says where this rank's bytes came from."""
-        choice = self.latest()
+        with events.Phase("restore", "choose", "", "") as phase:
+            choice = self.latest()
+            if choice is not None:
+                phase.checkpoint_id = choice.checkpoint_id
+                phase.store, phase.tier = choice.source, choice.tier
         if choice is None:
             return None
         reader = self.reader(choice)
@@ -668,6 +685,7 @@ class TieredStorageWriter(KVStorageWriter):
         super().__init__(tiers.engines[0], keep_last=tiers.keep_last, **options)
         self.tiers = tiers
         self.part_bytes = tiers.part_bytes
+        self.tier = 0
         self._replicas: tuple[int, ...] = ()
 
     def _saves_held(self) -> int | None:

@@ -313,7 +313,8 @@ def copy_checkpoint(
                 save_id = new_save_id()
                 mark_pending(dst_engine, target, save_id, record.rank)
                 copies.append((record, save_id, {}))
-                _copy_data(src_engine, record, dst_engine, target, save_id, copies[-1][2], progress)
+                into = copies[-1][2]
+                _copy_record(src_engine, record, dst_engine, target, save_id, into, progress)
         except BaseException:
             _discard_copies(dst_engine, target, [(s, r.rank) for r, s, _ in copies])
             raise
@@ -353,7 +354,7 @@ def _discard_copies(dst: Engine, target: str, saves: list[tuple[str, int | None]
             )
 
 
-def _copy_data(
+def _copy_record(
     src: Engine,
     record: CheckpointRecord,
     dst: Engine,
@@ -362,38 +363,52 @@ def _copy_data(
     locations: dict[MetadataIndex, ItemLocation],
     progress: bool,
 ) -> None:
-    """Write a record's values to ``dst`` under save ``save_id``, filling ``locations``."""
-    part_bytes = int(dst.max_value_bytes)
-
-    def values() -> Iterator[tuple[str, memoryview]]:
-        with _progress(record.total_bytes, f"copy {target}", progress) as bar:
-            for index, loc, view in read_items(src, record):  # checked as read
-                ranges = part_ranges(loc.nbytes, part_bytes)
-                if loc.checksums is not None and ranges == part_ranges(loc.nbytes, loc.part_bytes):
-                    # The same parts: the checksums the save recorded, which the read checked.
-                    new = ItemLocation(
-                        loc.rank,
-                        loc.plan_position,
-                        loc.nbytes,
-                        part_bytes,
-                        loc.checksums,
-                        index_name(index),
-                    )
-                else:
-                    # Parts of another size: checksums of the bytes just checked (or, from a
-                    # source without any, where the destination records them by default).
-                    sums = loc.checksums is not None or dst.checksums_by_default
-                    new = located(index, loc.rank, loc.plan_position, view, part_bytes, sums=sums)
-                locations[index] = new
-                yield from new.split(view, dst.prefix, target, save_id)
-                bar.update(loc.nbytes)
-
-    dst.put_many(values())
+    """Copy a record's values to ``dst`` as save ``save_id`` of ``target``, filling
+    ``locations`` with where they went."""
+    indexes = list(record.locations)
+    with _progress(record.total_bytes, f"copy {target}", progress) as bar:
+        into = CopyTarget(
+            target,
+            save_id,
+            [index_name(index) for index in indexes],
+            checksums=dst.checksums_by_default,
+            progress=bar.update,
+        )
+        copied = copy_values(
+            src,
+            [dst],
+            record.checkpoint_id,
+            record.save_id,
+            [record.locations[index] for index in indexes],
+            to=into,
+        )
+    locations.update(zip(indexes, copied, strict=True))
 
 
-# -- the copy of a save's values between stores (Tiers' background copies, prefetch) --------
+# -- the one copy of a save's values between stores (copy, Tiers' copies, prefetch) ---------
 
 _COPY_BATCH = 64 << 20
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class CopyTarget:
+    """Where ``copy_values`` writes a save that changes its name on the way (``copy``): under
+    another checkpoint id and save id, each item named as the current format names it and
+    split into parts of the destinations' size."""
+
+    checkpoint_id: str
+    save_id: str
+    #: Each location's item name in the current format (``format.index_name``), in order.
+    names: Sequence[str]
+    #: Record checksums of values whose source recorded none (a destination that records
+    #: them by default, as a save there would).
+    checksums: bool
+    #: Called with the bytes of each batch once it is written (a progress bar).
+    progress: Callable[[int], None] | None = None
 
 
 def copy_values(
@@ -402,38 +417,36 @@ def copy_values(
     checkpoint_id: str,
     save_id: str,
     locations: Sequence[ItemLocation],
-    renew: Callable[[], None],
-) -> None:
-    """Copy the values of a save's items from ``src`` to each of ``dsts`` under the same keys,
-    in batches of at most 64 MiB; ``renew`` is called after each batch (the caller's read
-    lease).
+    renew: Callable[[], None] = _nothing,
+    *,
+    to: CopyTarget | None = None,
+) -> list[ItemLocation]:
+    """Copy the values of a save's items from ``src`` to each of ``dsts``, in batches of at
+    most 64 MiB; ``renew`` is called after each batch (the caller's read lease). Returns the
+    items' locations in ``dsts``, to commit there.
+
+    Without ``to`` the values keep their keys and locations (Tiers' copies and prefetch, whose
+    tiers share one part size). With ``to`` they go under its names, in parts of the
+    destinations' size, and keep the checksums their save recorded where the parts stay the
+    same; an item whose parts change size is read whole, checked, and checksummed anew.
 
     From a store that lends its own memory (``Engine.zero_copy_reads``: LMDB's map) the values
     are sent straight from it, each byte read once; from any other they are read into one
     reused buffer first. Every value is checked: a missing or wrongly sized one raises
     ``DataError`` before its batch is written, and one that does not match the checksum its
-    save recorded (where ``locations`` carry checksums) ``IntegrityError``, both naming the
-    checkpoint, the key and ``src``. Checksums are computed as the bytes go out where the
-    destination hashes while writing, else before they are sent. A failed copy never commits:
-    the caller discards what was written."""
-    # (source key, destination keys, size, checksum) of every part
-    parts: list[_Part] = []
-    for loc in locations:
-        src_keys = loc.keys(src.prefix, checkpoint_id, save_id)
-        dst_keys = [loc.keys(dst.prefix, checkpoint_id, save_id) for dst in dsts]
-        for p, (a, b) in enumerate(part_ranges(loc.nbytes, loc.part_bytes)):
-            expected = loc.checksums[p] if loc.checksums else None
-            parts.append(_Part(src_keys[p], [keys[p] for keys in dst_keys], b - a, expected))
-    total = sum(part.size for part in parts)
+    save recorded ``IntegrityError``, both naming the checkpoint, the key and ``src``.
+    Checksums are computed as the bytes go out where the destination hashes while writing,
+    else before they are sent. A failed copy never commits: the caller discards what was
+    written."""
+    plan = _CopyPlan(src, dsts, checkpoint_id, save_id, locations, to)
     for dst in dsts:
-        dst.reserve(total)  # room for every batch at once, not batch by batch
+        dst.reserve(plan.total)  # room for every batch at once, not batch by batch
     buffer = None
-    if not src.zero_copy_reads:
-        largest = max((part.size for part in parts), default=0)
-        buffer = memoryview(bytearray(max(min(_COPY_BATCH, total), largest)))
-    for batch in _batches(parts):
+    if not src.zero_copy_reads and plan.parts:
+        largest = max(part.size for part in plan.parts)
+        buffer = memoryview(bytearray(max(min(_COPY_BATCH, plan.total), largest)))
+    for batch in _batches(plan.parts):
         keys = [part.src_key for part in batch]
-        sums = [part.checksum for part in batch]
         if buffer is None:
             with src.borrow(keys) as lent:
                 views: list[memoryview] = []
@@ -442,27 +455,125 @@ def copy_values(
                         got = None if view is None else view.nbytes
                         raise damaged(src, checkpoint_id, part.src_key, None, got, part.size)
                     views.append(view)
-                _send(src, dsts, checkpoint_id, batch, views, verify=True)
+                plan.digests.update(_send(src, dsts, checkpoint_id, batch, views, verify=True))
         else:
             views, offset = [], 0
             for part in batch:
                 views.append(buffer[offset : offset + part.size])
                 offset += part.size
+            sums = [part.checksum for part in batch]
             read_checked(src, checkpoint_id, keys, views, sums, lambda i: None)
-            _send(src, dsts, checkpoint_id, batch, views, verify=False)
+            plan.digests.update(_send(src, dsts, checkpoint_id, batch, views, verify=False))
+        plan.written(sum(part.size for part in batch))
+        renew()
+    for i in plan.resplit:
+        plan.copy_resplit(i)
         renew()
     for dst in dsts:
         dst.sync_replicas()
+    return plan.result()
 
 
 @dataclass(frozen=True)
 class _Part:
-    """One value a copy moves: its key in the source, in each destination, size, checksum."""
+    """One value a copy moves as it is: its key in the source and in each destination, its
+    size, the checksum its save recorded, and which part of which item it is."""
 
     src_key: str
-    dst_keys: list[str]
+    dst_keys: tuple[str, ...]
     size: int
     checksum: int | None
+    item: int
+    #: Whether the copy records this value's checksum (its source recorded none).
+    record: bool = False
+
+
+class _CopyPlan:
+    """The values ``copy_values`` moves and the locations they end up at."""
+
+    def __init__(
+        self,
+        src: Engine,
+        dsts: Sequence[Engine],
+        checkpoint_id: str,
+        save_id: str,
+        locations: Sequence[ItemLocation],
+        to: CopyTarget | None,
+    ) -> None:
+        self.src, self.dsts, self.checkpoint_id, self.save_id = src, dsts, checkpoint_id, save_id
+        self.locations, self.to = list(locations), to
+        self.targets = [self._target(i, loc) for i, loc in enumerate(self.locations)]
+        self.parts: list[_Part] = []
+        #: Items whose parts change size: each is read whole, then split anew.
+        self.resplit: list[int] = []
+        #: Checksums of the values sent whose source recorded none, by part.
+        self.digests: dict[_Part, int] = {}
+        for i, (loc, new) in enumerate(zip(self.locations, self.targets, strict=True)):
+            ranges = part_ranges(loc.nbytes, loc.part_bytes)
+            if ranges != part_ranges(new.nbytes, new.part_bytes):
+                self.resplit.append(i)
+                continue
+            record = to is not None and loc.checksums is None and to.checksums
+            src_keys = loc.keys(src.prefix, checkpoint_id, save_id)
+            dst_keys = [self._keys(new, dst) for dst in dsts]
+            for p, (a, b) in enumerate(ranges):
+                expected = loc.checksums[p] if loc.checksums else None
+                keys = tuple(k[p] for k in dst_keys)
+                self.parts.append(_Part(src_keys[p], keys, b - a, expected, i, record))
+        self.total = sum(loc.nbytes for loc in self.locations)
+
+    def _target(self, i: int, loc: ItemLocation) -> ItemLocation:
+        if self.to is None:
+            return loc
+        part_bytes = min(int(dst.max_value_bytes) for dst in self.dsts)
+        same = part_ranges(loc.nbytes, part_bytes) == part_ranges(loc.nbytes, loc.part_bytes)
+        return ItemLocation(
+            loc.rank,
+            loc.plan_position,
+            loc.nbytes,
+            part_bytes,
+            loc.checksums if same else None,
+            self.to.names[i],
+        )
+
+    def _keys(self, loc: ItemLocation, dst: Engine) -> list[str]:
+        if self.to is None:
+            return loc.keys(dst.prefix, self.checkpoint_id, self.save_id)
+        return loc.keys(dst.prefix, self.to.checkpoint_id, self.to.save_id)
+
+    def written(self, nbytes: int) -> None:
+        if self.to is not None and self.to.progress is not None:
+            self.to.progress(nbytes)
+
+    def copy_resplit(self, i: int) -> None:
+        """Copy item ``i`` into parts of another size: read it whole (checked against the
+        checksums its save recorded), checksum the new parts where wanted, write them."""
+        assert self.to is not None
+        loc, new = self.locations[i], self.targets[i]
+        buffer = memoryview(bytearray(loc.nbytes))
+        keys = loc.keys(self.src.prefix, self.checkpoint_id, self.save_id)
+        ranges = part_ranges(loc.nbytes, loc.part_bytes)
+        views = [buffer[a:b] for a, b in ranges]
+        sums = list(loc.checksums) if loc.checksums else [None] * len(keys)
+        read_checked(self.src, self.checkpoint_id, keys, views, sums, lambda _: None)
+        if loc.checksums is not None or self.to.checksums:
+            ranges = part_ranges(new.nbytes, new.part_bytes)
+            sums_new = tuple(checksum(buffer[a:b]) for a, b in ranges)
+            new = self.targets[i] = dataclasses.replace(new, checksums=sums_new)
+        for dst in self.dsts:
+            dst.put_many(new.split(buffer, dst.prefix, self.to.checkpoint_id, self.to.save_id))
+        self.written(loc.nbytes)
+
+    def result(self) -> list[ItemLocation]:
+        """The items' locations in the destinations, with the checksums recorded on the way."""
+        recorded: dict[int, list[int]] = {}
+        for part in self.parts:
+            if part.record:
+                recorded.setdefault(part.item, []).append(self.digests[part])
+        return [
+            dataclasses.replace(new, checksums=tuple(recorded[i])) if i in recorded else new
+            for i, new in enumerate(self.targets)
+        ]
 
 
 def _batches(parts: list[_Part]) -> Iterator[list[_Part]]:
@@ -485,33 +596,36 @@ def _send(
     views: list[memoryview],
     *,
     verify: bool,
-) -> None:
+) -> dict[_Part, int]:
     """Write one batch into each destination; with ``verify``, check each value against its
-    checksum on the way (hashed as the first destination sends it, where it can)."""
-    unchecked = [i for i, part in enumerate(batch) if verify and part.checksum is not None]
+    checksum on the way (hashed as the first destination sends it, where it can). Returns
+    the checksums of the values the copy records them for."""
+    hashed = [
+        i for i, part in enumerate(batch) if part.record or (verify and part.checksum is not None)
+    ]
+    digests: dict[int, int] = {}
     for t, dst in enumerate(dsts):
         items = ((part.dst_keys[t], view) for part, view in zip(batch, views, strict=True))
-        if unchecked and not dst.hashes_while_writing:
-            _check(src, checkpoint_id, batch, {i: checksum(views[i]) for i in unchecked})
-            unchecked = []
-        digests: dict[int, int | None] = {}
+        if hashed and not dst.hashes_while_writing:
+            digests = {i: checksum(views[i]) for i in hashed}
+            hashed = []
+            _check(src, checkpoint_id, batch, digests)
+        got: dict[int, int | None] = {}
         dst.put_many(
             items,
-            on_value=digests.__setitem__ if unchecked else None,
-            hasher=new_checksum if unchecked else None,
+            on_value=got.__setitem__ if hashed else None,
+            hasher=new_checksum if hashed else None,
             # over the spares of the checkpoint the replica's retention dropped, where it can
             spare_of=partial(spare_key, dst.prefix),
         )
-        if unchecked:
-            _check(
-                src,
-                checkpoint_id,
-                batch,
-                {i: _or_hash(digests.get(i), views[i]) for i in unchecked},
-            )
-            unchecked = []
-    if unchecked:  # no destination
-        _check(src, checkpoint_id, batch, {i: checksum(views[i]) for i in unchecked})
+        if hashed:
+            digests = {i: _or_hash(got.get(i), views[i]) for i in hashed}
+            hashed = []
+        _check(src, checkpoint_id, batch, digests)  # before the next destination gets it
+    if hashed:  # no destination
+        digests = {i: checksum(views[i]) for i in hashed}
+        _check(src, checkpoint_id, batch, digests)
+    return {batch[i]: digest for i, digest in digests.items() if batch[i].record}
 
 
 def _or_hash(digest: int | None, view: memoryview) -> int:
@@ -521,7 +635,7 @@ def _or_hash(digest: int | None, view: memoryview) -> int:
 
 def _check(src: Engine, checkpoint_id: str, batch: list[_Part], digests: dict[int, int]) -> None:
     for i, digest in digests.items():
-        if digest != batch[i].checksum:
+        if batch[i].checksum is not None and digest != batch[i].checksum:
             raise corrupted(src, checkpoint_id, batch[i].src_key, None)
 
 

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
+from . import events
 from .adapter import KVStorageBase, byte_view, new_save_id, valid_checkpoint_id
 from .catalog import (
     LeaseRenewal,
@@ -285,6 +286,8 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         #: largest value per key; ``Tiers`` sets the smallest of its stores' so that every
         #: tier holds byte-identical keys and one metadata value fits them all
         self.part_bytes = int(self.engine.max_value_bytes)
+        #: This store's place in a ``Tiers`` (0: the first), for events; None outside one
+        self.tier: int | None = None
         self.committed_at: float | None = None
 
     # -- DCP StorageWriter -------------------------------------------------------------------
@@ -384,6 +387,10 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        with events.Phase("save", "plan", self._require_id(), self.engine.url, tier=self.tier):
+            return self._global_plan(plans)
+
+    def _global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         session = None
         coordinator_store: str | None = None
         coordinator_saves: tuple[tuple[str, str], ...] = ()
@@ -423,6 +430,9 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         )
         sums = _Checksums(self.engine, self.checksums)
         results: list[WriteResult] = []
+        phase = events.Phase(
+            "save", "write", checkpoint_id, self.engine.url, tier=self.tier, rank=where.rank
+        )
         try:
             self._preflight(plan)
             self._write(checkpoint_id, plan, planner, where, renew, sums, results)
@@ -435,6 +445,7 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         finally:
             sums.close()
         self._check_session(checkpoint_id)
+        phase.end(sum(wr.size_in_bytes for wr in results))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -558,6 +569,7 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         world_size = self._world_size(results)
         metadata.storage_meta = self.storage_meta()
         self._check_session(checkpoint_id)
+        phase = events.Phase("save", "commit", checkpoint_id, self.engine.url, tier=self.tier)
         try:
             self.committed_at = publish(
                 self.engine,
@@ -580,6 +592,7 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
                 f"checkpoint {checkpoint_id!r} is committed on {self.engine.url} but not yet "
                 f"on its replicas: {e}"
             ) from None
+        phase.end(sum(loc.nbytes for loc in locations.values()))
         if self.keep_last is not None:
             try:
                 collect_garbage(

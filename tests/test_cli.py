@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from kvckpt import KVStorageWriter, open_store
+from kvckpt import KVStorageReader, KVStorageWriter, open_store
 from kvckpt.cli import human_bytes
 from tests.conftest import free_port
 
@@ -31,7 +31,8 @@ def test_human_sizes() -> None:
 
 
 @pytest.mark.parametrize(
-    "command", ["ls", "info", "rm", "gc", "verify", "export", "import", "copy", "torch-save"]
+    "command",
+    ["ls", "info", "stats", "rm", "gc", "verify", "export", "import", "copy", "torch-save"],
 )
 def test_every_subcommand_has_help_with_an_example(command: str) -> None:
     result = run(command, "--help")
@@ -135,3 +136,34 @@ def test_read_only_commands_never_create_a_store(tmp_path) -> None:
         assert result.returncode == 3, (args, result.stdout, result.stderr)
         assert f"no LMDB store at {typo}" in result.stderr, (args, result.stderr)
     assert not (tmp_path / "some").exists() and not (tmp_path / "out").exists()
+
+
+def test_stats_shows_checkpoints_bytes_and_the_stores_memory(
+    lmdb_url: str, redis_server, tmp_path
+) -> None:
+    """LMDB: its pages in use against its file plus the filesystem's free space. Redis: its
+    used_memory against maxmemory, and no limit where maxmemory is unset."""
+    save(lmdb_url, "step-1")
+    save(lmdb_url, "step-2")
+    doc = json.loads(run("stats", lmdb_url, "--json").stdout)
+    size = KVStorageReader(lmdb_url, checkpoint_id="step-1").read_record().total_bytes
+    assert doc["checkpoints"] == 2 and doc["checkpoint_bytes"] == 2 * size
+    assert doc["used_bytes"] >= 2 * size and doc["limit_bytes"] > doc["used_bytes"]
+    assert "free space" in doc["limit_from"]
+    text = run("stats", lmdb_url).stdout
+    assert "checkpoints  2," in text and "in use, of " in text and "step-2" in text
+
+    url = redis_server.url(db=3)
+    save(url, "step-1")
+    client = redis_server.client()
+    client.config_set("maxmemory", "0")
+    doc = json.loads(run("stats", url, "--json").stdout)
+    assert doc["used_bytes"] > size and doc["limit_bytes"] is None
+    client.config_set("maxmemory", str(1 << 30))
+    try:
+        doc = json.loads(run("stats", url, "--json").stdout)
+        assert doc["limit_bytes"] == 1 << 30 and doc["limit_from"] == "maxmemory"
+    finally:
+        client.config_set("maxmemory", "0")
+    missing = run("stats", f"lmdb://{tmp_path / 'nothing'}")
+    assert missing.returncode == 3 and not (tmp_path / "nothing").exists()

@@ -60,6 +60,36 @@ def test_lmdb_close_idle_environments_of_one_path(tmp_path) -> None:
     close_idle_environments()
 
 
+def test_lmdb_engine_collected_while_a_store_opens_does_not_hang(tmp_path) -> None:
+    """A garbage collection can finalize an engine on the thread that is opening another
+    store, inside the lock that guards the shared environments. The finalizer leaves its
+    reference for the lock's next holder instead of waiting for the lock forever."""
+    import gc
+    import threading
+
+    from kvckpt.engines._lmdb_env import _SharedEnv
+
+    first = LMDBEngine.from_url(f"lmdb://{tmp_path / 'a'}")
+    first.put_many([("k", b"v")])
+    shared = first._env
+
+    def collect_inside_the_lock() -> None:
+        nonlocal first
+        with _SharedEnv._lock:
+            del first
+            gc.collect()
+
+    thread = threading.Thread(target=collect_inside_the_lock, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the finalizer waited for the lock its own thread holds"
+    assert shared.refs == 1  # left for the lock's next holder
+    second = LMDBEngine.from_url(f"lmdb://{tmp_path / 'b'}")
+    second.put_many([("k", b"v")])  # opens b: releases a's reference on the way
+    assert shared.refs == 0 and not _SharedEnv._dropped
+    second.close()
+
+
 def test_lmdb_reads_are_zero_copy_views(tmp_path) -> None:
     engine = LMDBEngine(str(tmp_path / "s"))
     engine.put_many([("v", b"hello")])

@@ -42,6 +42,9 @@ class _SharedEnv:
     _lock = threading.Lock()
     _envs: dict[tuple[int, str], _SharedEnv] = {}
     _idle: OrderedDict[tuple[int, str], None] = OrderedDict()
+    #: References that garbage-collected engines dropped while another caller held the lock
+    #: (``release_from_finalizer``); the lock's next holder releases them.
+    _dropped: list[tuple[str, _SharedEnv]] = []
 
     def __init__(self, path: str, map_size: int, sync: bool, writemap: bool) -> None:
         self.writemap = writemap
@@ -173,6 +176,7 @@ class _SharedEnv:
                 shared.env.reader_check()  # clear slots of readers that died (SIGKILL)
             cls._idle.pop(key, None)
             shared.refs += 1
+            cls._release_dropped()
             return shared
 
     @classmethod
@@ -202,25 +206,48 @@ class _SharedEnv:
         """Drop one reference. An environment nobody uses stays open (up to ``_KEEP_IDLE`` of
         them): reopening would unmap the map and fault every page in again on the next load.
         One that was replaced (its files were removed) closes with its last user."""
-        key = (os.getpid(), os.path.realpath(path))
         with cls._lock:
-            shared.refs -= 1
-            if shared.refs > 0:
-                return
-            if cls._envs.get(key) is not shared:
-                shared.close()
-                return
-            cls._idle[key] = None
-            while len(cls._idle) > _KEEP_IDLE:
-                oldest = next(iter(cls._idle))
-                del cls._idle[oldest]
-                cls._envs.pop(oldest).close()
+            cls._release_locked(path, shared)
+            cls._release_dropped()
+
+    @classmethod
+    def release_from_finalizer(cls, path: str, shared: _SharedEnv) -> None:
+        """``release`` for an engine's ``__del__``. A garbage collection can run it on a thread
+        that holds the lock already (inside ``acquire``), where waiting for the lock would
+        never end: the reference is left for the lock's next holder to release instead."""
+        cls._dropped.append((path, shared))
+        if cls._lock.acquire(blocking=False):
+            try:
+                cls._release_dropped()
+            finally:
+                cls._lock.release()
+
+    @classmethod
+    def _release_dropped(cls) -> None:
+        while cls._dropped:
+            cls._release_locked(*cls._dropped.pop())
+
+    @classmethod
+    def _release_locked(cls, path: str, shared: _SharedEnv) -> None:
+        key = (os.getpid(), os.path.realpath(path))
+        shared.refs -= 1
+        if shared.refs > 0:
+            return
+        if cls._envs.get(key) is not shared:
+            shared.close()
+            return
+        cls._idle[key] = None
+        while len(cls._idle) > _KEEP_IDLE:
+            oldest = next(iter(cls._idle))
+            del cls._idle[oldest]
+            cls._envs.pop(oldest).close()
 
     @classmethod
     def close_idle(cls, path: str | None = None) -> None:
         """Close every environment no engine is using, or only ``path``'s."""
         real = None if path is None else os.path.realpath(path)
         with cls._lock:
+            cls._release_dropped()
             for key in list(cls._idle):
                 if real is None or key[1] == real:
                     del cls._idle[key]
@@ -230,6 +257,7 @@ class _SharedEnv:
 def _reset_lock_after_fork() -> None:
     # Another thread of the parent may have held it at fork; the child has only this thread.
     _SharedEnv._lock = threading.Lock()
+    _SharedEnv._dropped = []  # the parent's references: the parent releases them
 
 
 os.register_at_fork(after_in_child=_reset_lock_after_fork)

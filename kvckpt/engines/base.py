@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Protocol
 
 #: Anything with the buffer protocol that kvckpt hands to an engine as a value.
@@ -59,6 +60,19 @@ def hashed_pieces(view: memoryview, hasher: Hasher) -> Iterator[memoryview]:
         piece = view[start : start + _HASH_PIECE]
         hasher.update(piece)
         yield piece
+
+
+@dataclass(frozen=True)
+class StoreUsage:
+    """A store's memory (``Engine.usage``)."""
+
+    #: Bytes the store holds now (LMDB: its pages in use; Redis: ``used_memory``)
+    used_bytes: int | None
+    #: The most it can hold (LMDB: its file plus the filesystem's free space; Redis:
+    #: ``maxmemory``), or None where nothing but the host's memory limits it
+    limit_bytes: int | None
+    #: Where the limit comes from, in words
+    limit_from: str = ""
 
 
 class Engine(ABC):
@@ -218,6 +232,11 @@ class Engine(ABC):
 
     def preflight(self, nbytes: int) -> None:  # noqa: B027 - optional hook
         """Before a save writes ``nbytes``: raise if the store cannot take them safely."""
+
+    def usage(self) -> StoreUsage:
+        """The store's memory: what is in use and the most it can use (``kvckpt stats``).
+        Read-only; None where the engine cannot tell."""
+        return StoreUsage(None, None)
 
     def reserve(self, nbytes: int) -> None:  # noqa: B027 - optional hook
         """Before ``nbytes`` arrive in many small ``put_many`` calls (a copy between stores,

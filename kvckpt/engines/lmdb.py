@@ -44,7 +44,7 @@ from ._pages import (
     _populate_write,
     _ranks_on_node,
 )
-from .base import BytesLike, Consumer, Engine, Hasher, Update, ValueCallback
+from .base import BytesLike, Consumer, Engine, Hasher, StoreUsage, Update, ValueCallback
 
 #: The query options of an LMDB URL.
 LMDB_OPTIONS = ("prefix", "map_size", "sync", "writemap", "part_bytes", "txn_bytes")
@@ -160,8 +160,10 @@ class LMDBEngine(Engine):
     def __del__(self) -> None:
         # No module globals here (contextlib, say): at interpreter exit they may be None
         # already, and the AttributeError would be printed as "Exception ignored in".
-        try:  # noqa: SIM105 (see above)
-            self.close()
+        try:
+            if self._shared is not None and self._pid == os.getpid():
+                _SharedEnv.release_from_finalizer(self.path, self._shared)
+            self._shared = None
         except Exception:
             pass
 
@@ -309,6 +311,20 @@ class LMDBEngine(Engine):
     @functools.cached_property
     def _tmpfs(self) -> bool:
         return _on_tmpfs(self.path)
+
+    def usage(self) -> StoreUsage:
+        shared = self._env
+        end, free, _ = self._space(shared)
+        used = end - free
+        try:
+            held = os.stat(shared.data_file).st_blocks * 512  # allocated, not the sparse length
+        except OSError:
+            held = end
+        room = self._free_bytes()
+        where = "tmpfs" if self._tmpfs else "filesystem"
+        if room is None:
+            return StoreUsage(used, None)
+        return StoreUsage(used, held + room, f"its file and the {where}'s free space")
 
     def _free_bytes(self) -> int | None:
         try:

@@ -53,7 +53,16 @@ from ._resp import (
     command_header,
     retry,
 )
-from .base import BytesLike, Consumer, Engine, Hasher, Update, ValueCallback, hashed_pieces
+from .base import (
+    BytesLike,
+    Consumer,
+    Engine,
+    Hasher,
+    StoreUsage,
+    Update,
+    ValueCallback,
+    hashed_pieces,
+)
 
 _MIB = 1 << 20
 #: Redis refuses (by closing the connection) a single value larger than this.
@@ -602,6 +611,16 @@ class RedisEngine(RedisSettings):
                 f"and {max(0, limit - used)} of maxmemory {limit} are free. Delete old "
                 "checkpoints (kvckpt gc URL --keep-last N) or raise maxmemory."
             )
+
+    @_translate_errors
+    @_retried
+    def usage(self) -> StoreUsage:
+        mem = self._client.info("memory")
+        limit = int(mem.get("maxmemory", 0))
+        used = int(mem.get("used_memory", 0))
+        if limit:
+            return StoreUsage(used, limit, "maxmemory")
+        return StoreUsage(used, None, "no maxmemory: the host's memory")
 
     def _out_of_memory(
         self, error: redis.ResponseError, key: str | None, size: int | None = None

@@ -38,7 +38,7 @@ from ..urls import (
     mask_url,
     split_options,
 )
-from .base import BytesLike, Consumer, Hasher, Update, ValueCallback
+from .base import BytesLike, Consumer, Hasher, StoreUsage, Update, ValueCallback
 from .redis import (
     _MIB,
     DEFAULT_READ_AHEAD,
@@ -431,6 +431,16 @@ class RedisClusterEngine(RedisSettings):
             # Data keys spread evenly over the slots: each primary takes its share (with a
             # margin for uneven spreads of few, large keys).
             self._node_engine(node).preflight(int(1.25 * nbytes / len(primaries)))
+
+    @_cluster_errors
+    def usage(self) -> StoreUsage:
+        each = [self._node_engine(node).usage() for node in self._primaries()]
+        used = sum(u.used_bytes or 0 for u in each)
+        if all(u.limit_bytes for u in each):
+            return StoreUsage(
+                used, sum(u.limit_bytes or 0 for u in each), "the primaries' maxmemory"
+            )
+        return StoreUsage(used, None, "a primary without maxmemory: the hosts' memory")
 
     @_cluster_errors
     def sync_replicas(self) -> None:
