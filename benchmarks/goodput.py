@@ -40,21 +40,24 @@ set up for this host), so the systems differ only in where the bytes go. Per eco
 2. **Time to first step.** A fresh start that never checkpoints, against a start that restores
    ``Tiers``' newest checkpoint on a new node: with ``prefetch()`` (which copies only where a
    core is spare), with ``prefetch(force=True)`` and without; taking turns.
-3. **Failures.** Each system trains at its interval while a rank is SIGKILLed three times
-   (``--kills``: seconds after launch, the same for every system; a kill waits until the job
-   is back from the one before); torchrun restarts the job. A run that never checkpoints is
-   killed the same way, for the relaunch that no checkpointing system can avoid. Per failure:
-   *lost* = kill -> the job is back at the step it had reached, split into relaunch (kill ->
-   the restore starts), restore and recompute; for ``Tiers`` less the time the restarted job
-   takes to delete the node-local store, which stands in for a new node (that has nothing to
-   delete). *Expected lost* puts half an interval of steps
-   in the recompute's place (three kills land where they land). *Checkpoint-attributable* =
-   restore + that recompute + what the system adds to relaunch over the never-checkpointing
-   run's (a prefetch competing with start-up, say). *Goodput* = failure-free time (the
+3. **Failures.** Each system trains at its interval while a rank is SIGKILLed three times,
+   spaced by the system's interval plus the slowest time to first step (``--kills`` gives
+   seconds after launch for every system instead); a kill waits until the job is back from
+   the one before; torchrun restarts the job. A run that never checkpoints is killed the same
+   way, for the relaunch that no checkpointing system can avoid. Per failure: *lost* = kill
+   -> the job is back at the step it had reached, split into relaunch (kill -> the restore
+   starts), restore and recompute; for ``Tiers`` less the time the restarted job takes to
+   delete the node-local store, which stands in for a new node (that has nothing to delete).
+   *Expected lost* puts half an interval of steps in the recompute's place (three kills land
+   where they land), and for ``Tiers`` on a new node, which restores what the shared tier
+   holds, also the median time from a save's step to its copy's commit there (*copy lag*,
+   from the copies ``kvckpt.events`` reports). *Checkpoint-attributable* = restore + that
+   recompute + what the system adds to relaunch over the never-checkpointing run's (a
+   prefetch competing with start-up, say). *Goodput* = failure-free time (the
    never-checkpointing job's measured start-up plus its measured time per step, over the same
    steps) / this run's time.
 
-    python benchmarks/goodput.py --out docs/benchmark          # both economies, ~35 min
+    python benchmarks/goodput.py --out docs/benchmark          # both economies, ~30 min
     python benchmarks/goodput.py --economy cuda --out docs/benchmark/h100   # on a GPU machine
 
 Check ``/proc/loadavg`` first: the machine must be otherwise idle.
@@ -606,19 +609,37 @@ def with_failures(
         "failures": failures,
         "blocking_median": statistics.median(saves) if saves else 0.0,
         "blocking_max": max(saves, default=0.0),
+        **copy_lag(ev),
+    }
+
+
+def copy_lag(ev: list[dict[str, Any]]) -> dict[str, Any]:
+    """How far behind the first tier a further tier runs: for each save that reached it (the
+    "copied" events ``Tiers`` reports), seconds from the save's step to the copy's commit
+    there; and how many of the saves got there (``copy="newest"`` skips saves made while a
+    copy runs). Empty for a system without further tiers."""
+    copied = [e for e in ev if e["event"] == "copied"]
+    if not copied:
+        return {}
+    at = {(e["attempt"], e["step"]): e["t"] for e in ev if e["event"] == "loss"}
+    lags = [e["t"] - at[e["attempt"], e["step"]] for e in copied if (e["attempt"], e["step"]) in at]
+    return {
+        "copy_lag_median": statistics.median(lags) if lags else None,
+        "copy_lag_max": max(lags, default=None),
+        "copies": len(copied),
+        "saves": sum(1 for e in ev if e["event"] == "save"),
     }
 
 
 def schedule(
-    args: argparse.Namespace, calibration: dict[str, Any], firsts: dict[str, list[float]]
+    args: argparse.Namespace, interval: int, step: float, firsts: dict[str, list[float]]
 ) -> tuple[list[float], int]:
-    """Three kills, the same for every system, spaced by the longest interval's worth of
-    steps plus twice the slowest time to first step (relaunch and restore); and enough
-    steps that the job is still training after the third."""
-    step = calibration["none"]["step_seconds"]
-    longest = max(calibration[s]["interval"] for s in args.systems)
+    """Three kills of a system saving every ``interval`` steps, spaced by an interval's worth
+    of steps plus the slowest time to first step (relaunch and restore) and a margin; and
+    enough steps that the job is still training after the third. Each kill also waits until
+    the job is back from the one before (``with_failures``)."""
     slowest = max(max(v) for v in firsts.values())
-    spacing = math.ceil(longest * step + max(10.0, 2 * slowest))
+    spacing = math.ceil(interval * step + max(8.0, slowest + 3.0))
     kills = [float(spacing * i) for i in (1, 2, 3)]
     return kills, max(args.steps, math.ceil(3.3 * spacing / step))
 
@@ -662,14 +683,17 @@ def summary(results: dict[str, Any]) -> dict[str, dict[str, float]]:
             part: statistics.median(f[part] for f in r["failures"])
             for part in ("relaunch", "restore", "recompute", "lost", "load")
         }
-        recompute = r["interval"] / 2 * step
+        # A replaced node restores what the shared tier holds: a save there is on average half
+        # an interval old when the kill comes, plus the time its copy took to commit there.
+        recompute = r["interval"] / 2 * step + (r.get("copy_lag_median") or 0.0)
         out[system] = {
             **parts,
             "lost_max": max(f["lost"] for f in r["failures"]),
             "expected": parts["relaunch"] + parts["restore"] + recompute,
             "attributable": parts["relaunch"] - base + parts["restore"] + recompute,
             "added_to_relaunch": parts["relaunch"] - base,
-            "goodput": results["failure_free_seconds"] / r["seconds"],
+            "goodput": r.get("failure_free_seconds", results.get("failure_free_seconds", 0))
+            / r["seconds"],
         }
     return out
 
@@ -753,14 +777,29 @@ def table(results: dict[str, Any]) -> str:
         ),
     )
     base = statistics.median(f["relaunch"] for f in results["relaunch_alone"]["failures"])
+    lags = [
+        f"{NAMES[system]}: {r['copies']} of {r['saves']} saves reached the shared tier, "
+        f"{r['copy_lag_median']:.1f} s after their step (median; max {r['copy_lag_max']:.1f} s); "
+        f"a replaced node resumed "
+        f"{statistics.median(f['step_reached'] - f['resumed_from_step'] for f in r['failures']):g}"
+        " steps behind the step it had reached (median)."
+        for system, r in runs.items()
+        if r.get("copy_lag_median") is not None
+    ]
     return "\n\n".join(
         [
             f"**{results['label']}**",
             main,
+            *lags,
             f"Relaunch of the job that never checkpoints (the part no system can avoid): "
-            f"{base:.2f} s, median of {len(results['relaunch_alone']['failures'])}; "
-            f"failure-free time {results['failure_free_seconds']:.1f} s; kills at "
-            f"{', '.join(f'{k:g}' for k in results['kills'])} s.",
+            f"{base:.2f} s, median of {len(results['relaunch_alone']['failures'])}. Kills, "
+            "seconds after launch (each system's spaced by its interval plus the slowest "
+            "restart): "
+            + "; ".join(
+                f"{NAMES.get(s, s)} {', '.join(f'{k:g}' for k in r.get('kills', []))}"
+                for s, r in runs.items()
+            )
+            + ".",
             modes,
             first_step_table(results["first_step"]),
         ]
@@ -864,14 +903,21 @@ def run_economy(places: Places, econ: Economy, args: argparse.Namespace) -> dict
     earlier = earlier.get("economies", earlier)
     results: dict[str, Any] = {"label": econ.label, **earlier.get(econ.name, {})}
     started = time.time()
+    took = results.setdefault("phase_minutes", {})
     if "intervals" in args.phases:
         results["calibration"] = calibrate(places, econ, args)
+        took["calibrate"] = (time.time() - started) / 60
         verify(places, econ, args, results["calibration"])
+        took["verify"] = (time.time() - started) / 60 - took["calibrate"]
         print(interval_table(results["calibration"], args.systems), flush=True)
     if "first-step" in args.phases:
+        begun = time.time()
         results["first_step"] = first_steps(places, econ, args)
+        took["first-step"] = (time.time() - begun) / 60
     if "failures" in args.phases:
+        begun = time.time()
         failures(places, econ, args, results)
+        took["failures"] = (time.time() - begun) / 60
     results["minutes"] = results.get("minutes", 0) + (time.time() - started) / 60
     return results
 
@@ -879,34 +925,37 @@ def run_economy(places: Places, econ: Economy, args: argparse.Namespace) -> dict
 def failures(
     places: Places, econ: Economy, args: argparse.Namespace, results: dict[str, Any]
 ) -> None:
-    auto, given = args.kills == "auto", (args.kills, args.steps)  # each economy its own
-    if "kills" in results:  # continuing a cut run: its schedule
-        args.kills, args.steps = results["kills"], results["steps"]
-    elif auto:
-        args.kills, args.steps = schedule(args, results["calibration"], results["first_step"])
-    else:  # enough steps that the job still trains at the last kill (at least --steps)
-        step = results["calibration"]["none"]["step_seconds"]
-        args.steps = max(args.steps, math.ceil((max(args.kills) + 10) * 1.5 / step))
-    results["kills"], results["steps"] = args.kills, args.steps
-    print(f"[{econ.name}] kills at {args.kills} s, {args.steps} steps", flush=True)
-    if "failure_free_seconds" not in results:  # else: the run --resume continues
-        # the never-checkpointing job's start-up and time per step, both measured above
-        fresh = statistics.median(results.get("first_step", {}).get(FRESH) or [0.0])
-        step = statistics.median(_NONE_STEPS.get(econ.name, [0, []])[1] or [0.0])
-        step = step or results["calibration"]["none"]["step_seconds"]
-        results["failure_free_seconds"] = fresh + (args.steps - 1) * step
-        results["relaunch_alone"] = with_failures(places, econ, "none", 0, "sync", args)
-    results.setdefault("failures", {})
+    """Each system trained with three kills (``with_failures``), at its own interval and its
+    own kill schedule (``schedule``, or ``--kills`` for every system); its goodput is against
+    the never-checkpointing job over the same steps."""
+    given = (args.kills, args.steps)
     cal = results["calibration"]
-    gap = max(
-        cal[s]["interval"] * cal["none"]["step_seconds"] + cal[s].get("in_flight_seconds", 0)
-        for s in args.systems
-    )
+    step = cal["none"]["step_seconds"]
+    # the never-checkpointing job's start-up and time per step, both measured above
+    fresh = statistics.median(results.get("first_step", {}).get(FRESH) or [0.0])
+    per_step = statistics.median(_NONE_STEPS.get(econ.name, [0, []])[1] or [0.0]) or step
+
+    def run(system: str, interval: int, mode: str, gap: float = 0.0) -> dict[str, Any]:
+        if given[0] == "auto":
+            args.kills, args.steps = schedule(args, interval, step, results["first_step"])
+        else:  # enough steps that the job still trains at the last kill (at least --steps)
+            args.kills = given[0]
+            args.steps = max(given[1], math.ceil((max(args.kills) + 10) * 1.5 / step))
+        print(f"[{econ.name}] {system}: kills at {args.kills} s, {args.steps} steps", flush=True)
+        r = with_failures(places, econ, system, interval, mode, args, gap)
+        r |= {"kills": args.kills, "steps": args.steps}
+        r["failure_free_seconds"] = fresh + (args.steps - 1) * per_step
+        return r
+
+    if "relaunch_alone" not in results:  # else: the run --resume continues
+        results["relaunch_alone"] = run("none", 0, "sync")
+    results.setdefault("failures", {})
     for system in args.systems:
         chosen = cal[system]
-        results["failures"][system] = with_failures(
-            places, econ, system, chosen["interval"], chosen["mode"], args, gap
-        )
+        # after a kill is back: time for a save to commit, so that no kill finds the job with
+        # nothing newer than its last restore
+        gap = chosen["interval"] * step + chosen.get("in_flight_seconds", 0)
+        results["failures"][system] = run(system, chosen["interval"], chosen["mode"], gap)
         print(f"[{econ.name}] {system}: {results['failures'][system]}", flush=True)
         # what is measured so far, should the run be cut short
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -78,6 +78,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse  # n
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import kvckpt  # noqa: E402
+import kvckpt.events  # noqa: E402
 
 warnings.filterwarnings("ignore", category=UserWarning)
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -402,6 +403,14 @@ def main() -> None:
 
     def uploaded(step: int, begun: float, _: Any) -> None:
         log(event="uploaded", step=step, seconds=time.perf_counter() - begun)
+
+    def copied(event: kvckpt.events.Event) -> None:
+        """A checkpoint reached a further tier: how fresh a replaced node's restore can be."""
+        if event.operation == "copy" and event.phase == "commit":
+            step = int(event.checkpoint_id.rpartition("-")[2])
+            log(event="copied", step=step, tier=event.tier, t=event.ended_at)
+
+    kvckpt.events.subscribe(copied)
 
     log(event="start", process_start=PROCESS_START, pid=os.getpid(), wipe_seconds=wipe_seconds)
     if rank == 0:

@@ -6,11 +6,12 @@ the ``model.safetensors.index.json`` that ``transformers`` reads to find them.
 
 Each shard's layout (names, dtypes, shapes, offsets) is known from the checkpoint's metadata
 before any data is read, so its header is written first and the tensors follow one batch at a
-time, loaded by DCP's own resharding: peak memory stays near the largest tensor, not the
-model. The safetensors library has no writer that takes tensors one at a time, so the header
-is written here, as its format specifies (an 8-byte little-endian header length, a JSON header,
-then the bytes of each tensor in order); each finished shard is opened with the library's own
-reader to check it. Every value is checked against the checksum its save recorded.
+time, loaded by DCP's own resharding, each batch at most the largest tensor's size: peak
+memory stays near the largest tensor, not the model. The safetensors library has no writer
+that takes tensors one at a time, so the header is written here, as its format specifies (an
+8-byte little-endian header length, a JSON header, then the bytes of each tensor in order);
+each finished shard is opened with the library's own reader to check it. Every value is
+checked against the checksum its save recorded.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .engines.base import Engine
 from .errors import KVCheckpointError
 from .stores import open_store
+from .transfer import first_missing, undo_export
 
 #: The index file ``transformers`` reads to find a sharded model's files.
 INDEX_NAME = "model.safetensors.index.json"
@@ -120,25 +122,24 @@ def export_safetensors(
             f"cannot export checkpoint {checkpoint_id!r} to {out}: it is not an empty "
             "directory; choose a new one"
         )
-    made = not out.exists()
-    names: list[Path] = []
+    created = first_missing(out)
+    names = [
+        out / f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, 1 + len(shards))
+    ]
     try:
         out.mkdir(parents=True, exist_ok=True)
-        for i, shard in enumerate(shards, 1):
-            names.append(out / f"model-{i:05d}-of-{len(shards):05d}.safetensors")
-            _write_shard(engine, checkpoint_id, shard, names[-1])
+        # One batch of tensors in memory at a time, of at most the largest tensor's bytes.
+        budget = max(-(-(t.stored.itemsize * _numel(t.shape)) // _ALIGN) * _ALIGN for t in tensors)
+        for shard, name in zip(shards, names, strict=True):
+            _write_shard(engine, checkpoint_id, shard, name, budget)
+        weight_map = {t.name: p.name for shard, p in zip(shards, names, strict=True) for t in shard}
         index = {
             "metadata": {"total_size": sum(t.nbytes for t in tensors)},
-            "weight_map": {
-                t.name: p.name for shard, p in zip(shards, names, strict=True) for t in shard
-            },
+            "weight_map": weight_map,
         }
         (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     except BaseException:
-        for path in [*names, out / INDEX_NAME]:
-            path.unlink(missing_ok=True)
-        if made:
-            _remove_made(out)
+        undo_export(out, created)
         raise
     return out
 
@@ -216,23 +217,26 @@ def _header(shard: list[_Tensor]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def _write_shard(engine: Engine, checkpoint_id: str, shard: list[_Tensor], path: Path) -> None:
+def _write_shard(
+    engine: Engine, checkpoint_id: str, shard: list[_Tensor], path: Path, budget: int
+) -> None:
     with open(path, "wb") as f:
         f.write(_header(shard))
-        for batch in _batches(shard):
-            for t, tensor in zip(batch, _load(engine, checkpoint_id, batch), strict=True):
-                f.write(tensor.to(t.written).contiguous().view(torch.uint8).numpy().data)
+        arena = torch.empty(budget, dtype=torch.uint8)  # every batch's tensors, in turn
+        convert = torch.empty(_CONVERT_BYTES, dtype=torch.uint8)
+        for batch in _batches(shard, budget):
+            for t, tensor in zip(batch, _load(engine, checkpoint_id, batch, arena), strict=True):
+                _write_tensor(f, tensor, t.written, convert)
     _check_shard(path, shard)
 
 
-def _batches(shard: list[_Tensor]) -> Iterator[list[_Tensor]]:
-    """Runs of tensors loaded together: each at most the largest tensor's size (64 MiB at
-    least), so that peak memory stays near the largest tensor."""
-    budget = max(64 << 20, max(t.stored.itemsize * _numel(t.shape) for t in shard))
+def _batches(shard: list[_Tensor], budget: int) -> Iterator[list[_Tensor]]:
+    """Runs of tensors loaded together, each of at most ``budget`` bytes as stored (a larger
+    tensor alone)."""
     batch: list[_Tensor] = []
     size = 0
     for t in shard:
-        n = t.stored.itemsize * _numel(t.shape)
+        n = -(-(t.stored.itemsize * _numel(t.shape)) // _ALIGN) * _ALIGN
         if batch and size + n > budget:
             yield batch
             batch, size = [], 0
@@ -242,6 +246,28 @@ def _batches(shard: list[_Tensor]) -> Iterator[list[_Tensor]]:
         yield batch
 
 
+#: Bytes converted to another dtype at a time, into one reused buffer, so that a conversion
+#: holds no second copy of a whole tensor.
+_CONVERT_BYTES = 1 << 20
+
+#: Where each tensor of a batch starts in the arena: a multiple of this (any dtype's alignment).
+_ALIGN = 64
+
+
+def _write_tensor(
+    f: BinaryIO, tensor: torch.Tensor, dtype: torch.dtype, convert: torch.Tensor
+) -> None:
+    flat = tensor.view(-1)
+    if dtype == flat.dtype:
+        f.write(flat.view(torch.uint8).numpy().data)
+        return
+    out = convert[: _CONVERT_BYTES // dtype.itemsize * dtype.itemsize].view(dtype)
+    for start in range(0, flat.numel(), out.numel()):
+        piece = flat[start : start + out.numel()]
+        out[: piece.numel()].copy_(piece)
+        f.write(out[: piece.numel()].view(torch.uint8).numpy().data)
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
@@ -249,16 +275,23 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _load(engine: Engine, checkpoint_id: str, batch: list[_Tensor]) -> list[torch.Tensor]:
-    """The full tensors of ``batch``, assembled by DCP from whatever chunks the ranks saved,
-    every value checked against its checksum."""
+def _load(
+    engine: Engine, checkpoint_id: str, batch: list[_Tensor], arena: torch.Tensor
+) -> list[torch.Tensor]:
+    """The full tensors of ``batch``, in ``arena``'s memory, assembled by DCP from whatever
+    chunks the ranks saved, every value checked against its checksum."""
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from .reader import KVStorageReader
 
-    state = {t.fqn: torch.empty(t.shape, dtype=t.stored) for t in batch}
+    state: dict[str, torch.Tensor] = {}
+    at = 0
+    for t in batch:
+        n = t.stored.itemsize * _numel(t.shape)
+        state[t.fqn] = arena[at : at + n].view(t.stored).view(t.shape)
+        at += -(-n // _ALIGN) * _ALIGN
     try:
         _load_state_dict(
             state,
@@ -283,12 +316,3 @@ def _check_shard(path: Path, shard: list[_Tensor]) -> None:
         got = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
     if got != {t.name: t.shape for t in shard}:
         raise KVCheckpointError(f"the safetensors file {path} does not hold what was written")
-
-
-def _remove_made(out: Path) -> None:
-    """Remove a directory the export created (and its parents it created, if empty)."""
-    for path in [out, *out.parents]:
-        try:
-            path.rmdir()
-        except OSError:
-            return

@@ -449,12 +449,7 @@ def copy_values(
         keys = [part.src_key for part in batch]
         if buffer is None:
             with src.borrow(keys) as lent:
-                views: list[memoryview] = []
-                for part, view in zip(batch, lent, strict=True):
-                    if view is None or view.nbytes != part.size:
-                        got = None if view is None else view.nbytes
-                        raise damaged(src, checkpoint_id, part.src_key, None, got, part.size)
-                    views.append(view)
+                views = _lent_views(src, checkpoint_id, batch, lent)
                 plan.digests.update(_send(src, dsts, checkpoint_id, batch, views, verify=True))
         else:
             views, offset = [], 0
@@ -576,6 +571,17 @@ class _CopyPlan:
         ]
 
 
+def _lent_views(
+    src: Engine, checkpoint_id: str, batch: list[_Part], lent: list[memoryview | None]
+) -> list[memoryview]:
+    """The values ``src`` lent for ``batch``, each checked present with its size."""
+    for part, view in zip(batch, lent, strict=True):
+        if view is None or view.nbytes != part.size:
+            got = None if view is None else view.nbytes
+            raise damaged(src, checkpoint_id, part.src_key, None, got, part.size)
+    return [view for view in lent if view is not None]
+
+
 def _batches(parts: list[_Part]) -> Iterator[list[_Part]]:
     """Consecutive runs of ``parts`` of at most ``_COPY_BATCH`` bytes (a larger part alone)."""
     start = 0
@@ -665,7 +671,7 @@ def _export(engine: Engine, checkpoint_id: str, out: Path, progress: bool) -> Pa
             "export supports checkpoints saved with collectives"
         )
     (record,) = records
-    created = _first_missing(out)
+    created = first_missing(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         if any(out.iterdir()):
@@ -675,7 +681,7 @@ def _export(engine: Engine, checkpoint_id: str, out: Path, progress: bool) -> Pa
     try:
         _write_export(engine, record, out, progress)
     except BaseException as e:
-        _remove_export(out, created)
+        undo_export(out, created)
         if isinstance(e, OSError) and not isinstance(e, KVCheckpointError):
             raise _unwritable(checkpoint_id, out, e) from e
         raise
@@ -708,7 +714,7 @@ def _write_export(engine: Engine, record: CheckpointRecord, out: Path, progress:
         pickle.dump(exported, f)
 
 
-def _first_missing(path: Path) -> Path | None:
+def first_missing(path: Path) -> Path | None:
     """The outermost of ``path`` and its parents that does not exist (None: ``path`` exists):
     what a ``mkdir(parents=True)`` of ``path`` creates."""
     missing = None
@@ -719,7 +725,7 @@ def _first_missing(path: Path) -> Path | None:
     return missing
 
 
-def _remove_export(out: Path, created: Path | None) -> None:
+def undo_export(out: Path, created: Path | None) -> None:
     """Undo a failed export: the directories it created, or else (a directory that was empty
     when it began) everything in it."""
     if created is not None:

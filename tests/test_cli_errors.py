@@ -235,7 +235,9 @@ def test_every_command_prints_json(lmdb_url: str, redis_url: str, tmp_path: Path
     verified = doc("verify", lmdb_url, "a")
     assert verified["ok"] is True and verified["problems"] == []  # type: ignore[index]
     exported = doc("export", lmdb_url, "a", str(tmp_path / "dcp"))
-    assert exported == {"checkpoint_id": "a", "directory": str(tmp_path / "dcp")}
+    assert exported == {"checkpoint_id": "a", "directory": str(tmp_path / "dcp"), "format": "dcp"}
+    stats = doc("stats", lmdb_url)
+    assert stats["checkpoints"] == 2 and stats["used_bytes"] > 0  # type: ignore[index]
     imported = doc("import", str(tmp_path / "dcp"), redis_url, "i")
     assert imported["checkpoint_id"] == "i" and imported["items"] == 2  # type: ignore[index]
     copied = doc("copy", lmdb_url, "b", redis_url)
