@@ -50,7 +50,10 @@ def test_benchmark_smoke_run(tmp_path) -> None:
         "async_block_dcp_fs_shm_cached",
     ):
         assert data[case]["gbps"] > 0, case
-    assert {r["metric"] for r in data["ratios"]} >= {"LMDB load / DCP FileSystemReader shm"}
+    assert {r["metric"] for r in data["ratios"]} >= {
+        "LMDB load / DCP FileSystemReader shm",
+        "peak anon RSS kv_safetensors_export / state dict",
+    }
     assert (out / "results.md").read_text().startswith("| metric |")
     assert (out / "results.png").stat().st_size > 1000
 
@@ -108,6 +111,19 @@ def test_redis_ceiling_ranks_smoke_run() -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + 4  # header + (1 rank, 2 ranks) x (touched, fresh)
+
+
+def test_many_items_smoke_run(tmp_path) -> None:
+    out = tmp_path / "results"
+    result = run_benchmark(
+        "many_items.py", *("--items", "300,600", "--repeats", "2", "--out", str(out))
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    doc = json.loads((out / "many_items.json").read_text())
+    assert set(doc["results"]) == {"300", "600"}
+    for cases in doc["results"].values():
+        assert len(cases) == 3 and all(len(c["total"]) == 2 for c in cases.values())
+    assert "decode / DCP unpickle" in (out / "many_items.md").read_text()
 
 
 def test_gpu_benchmark_without_a_gpu_says_so() -> None:
