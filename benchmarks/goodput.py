@@ -936,6 +936,7 @@ def failures(
     per_step = statistics.median(_NONE_STEPS.get(econ.name, [0, []])[1] or [0.0]) or step
 
     def run(system: str, interval: int, mode: str, gap: float = 0.0) -> dict[str, Any]:
+        args.steps = given[1]  # each system's schedule from the given minimum, not the last's
         if given[0] == "auto":
             args.kills, args.steps = schedule(args, interval, step, results["first_step"])
         else:  # enough steps that the job still trains at the last kill (at least --steps)
