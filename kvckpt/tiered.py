@@ -99,8 +99,8 @@ class Tiers:
             in the first store only, so copies never queue up behind a training loop that saves
             faster than they go (the further stores then hold the newest save whose copy could
             start, at most one copy's time behind the first). The coordinator decides for every
-            rank, at the save's global plan. A job's last save may stay in the first store
-            alone; with ``"every"`` it reaches every store.
+            rank, at the save's global plan. Save a job's last checkpoint with
+            ``tiers.writer(copy="every")`` so that it reaches every store.
         writer_options: passed to each ``KVStorageWriter`` (``checksums``, ``lease``, ...).
             Checksums default to on if any store records them by default.
     """
@@ -161,9 +161,15 @@ class Tiers:
 
     # -- saving -------------------------------------------------------------------------------
 
-    def writer(self, **options: Any) -> TieredStorageWriter:
-        """A DCP ``StorageWriter`` for one save (``dcp.save`` / ``dcp.async_save``)."""
-        return TieredStorageWriter(self, **{**self.writer_options, **options})
+    def writer(self, *, copy: str | None = None, **options: Any) -> TieredStorageWriter:
+        """A DCP ``StorageWriter`` for one save (``dcp.save`` / ``dcp.async_save``).
+
+        ``copy`` overrides the ``Tiers``' own for this save: a loop that copies
+        ``"newest"`` saves its last checkpoint with ``copy="every"``, so that it reaches every
+        store even while an earlier copy is still running."""
+        if copy not in (None, "every", "newest"):
+            raise ValueError(f'copy must be "every" or "newest", not {copy!r}')
+        return TieredStorageWriter(self, copy=copy, **{**self.writer_options, **options})
 
     def get_ready(self, state_dict: dict[str, Any]) -> None:
         """Get the node-local tier ready for this job's saves of ``state_dict`` while the
@@ -241,12 +247,14 @@ class Tiers:
 
     # -- replication: what a TieredStorageWriter asks of its Tiers -----------------------------
 
-    def plan_copies(self, checkpoint_id: str, save_id: str, lease: float) -> tuple[int, ...]:
+    def plan_copies(
+        self, checkpoint_id: str, save_id: str, lease: float, copy: str | None = None
+    ) -> tuple[int, ...]:
         """On the coordinator, at a save's global plan (before any rank writes): the tiers the
         save will be copied to, each with the save registered as pending there; none with
-        ``copy="newest"`` while the copy of an earlier save still runs: the save stays in the
-        first tier."""
-        if self.copy == "newest" and self.busy_ids():
+        ``copy="newest"`` (this save's ``copy``, else the ``Tiers``') while the copy of an
+        earlier save still runs: the save stays in the first tier."""
+        if (copy or self.copy) == "newest" and self.busy_ids():
             logger.info(
                 "kvckpt tiers: %r stays in %s only: the copy of an earlier save is running",
                 checkpoint_id,
@@ -681,9 +689,10 @@ def _no_renewal(force: bool = False) -> None:
 class TieredStorageWriter(KVStorageWriter):
     """A ``KVStorageWriter`` on the first tier that queues copies to the others (``Tiers``)."""
 
-    def __init__(self, tiers: Tiers, **options: Any) -> None:
+    def __init__(self, tiers: Tiers, *, copy: str | None = None, **options: Any) -> None:
         super().__init__(tiers.engines[0], keep_last=tiers.keep_last, **options)
         self.tiers = tiers
+        self.copy = copy
         self.part_bytes = tiers.part_bytes
         self.tier = 0
         self._replicas: tuple[int, ...] = ()
@@ -701,7 +710,9 @@ class TieredStorageWriter(KVStorageWriter):
         plans = super().prepare_global_plan(plans)
         if not self.use_collectives or len(self.tiers.engines) == 1:
             return plans
-        self._replicas = self.tiers.plan_copies(self._require_id(), self.save_id, self.lease)
+        self._replicas = self.tiers.plan_copies(
+            self._require_id(), self.save_id, self.lease, self.copy
+        )
         return [
             dataclasses.replace(
                 plan, storage_data=dataclasses.replace(plan.storage_data, replicas=self._replicas)

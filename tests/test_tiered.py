@@ -361,6 +361,34 @@ def test_copy_newest_skips_saves_made_while_a_copy_runs(tmp_path: Path, redis_ur
     fresh.close()
 
 
+def test_a_loops_last_save_reaches_every_store_under_copy_newest(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """``tiers.writer(copy="every")`` for a loop's last save: copied although the copy of an
+    earlier save is still running, so the job ends with its newest checkpoint in Redis."""
+    import threading
+
+    local = f"lmdb://{tmp_path / 'node'}"
+    tiers = Tiers([local, redis_url], copy="newest")
+    gate = threading.Event()
+    tiers._pool.submit(gate.wait)  # the copy of step-0 waits until the gate opens
+    dcp.save(sd(0.0), storage_writer=tiers.writer(), checkpoint_id="step-0")
+    dcp.save(sd(1.0), storage_writer=tiers.writer(), checkpoint_id="step-1")  # skipped
+    last = tiers.writer(copy="every")
+    dcp.save(sd(2.0), storage_writer=last, checkpoint_id="step-2")
+    gate.set()
+    tiers.close()
+    assert [i.checkpoint_id for i in list_checkpoints(redis_url)] == ["step-2", "step-0"]
+    out = sd(0.0)
+    fresh = Tiers([f"lmdb://{tmp_path / 'new-node'}", redis_url])
+    choice = fresh.restore(out)
+    assert choice is not None and (choice.checkpoint_id, choice.tier) == ("step-2", 1)
+    assert same(out, sd(2.0))
+    fresh.close()
+    with pytest.raises(ValueError, match="copy must be"):
+        Tiers([local, redis_url]).writer(copy="last")
+
+
 def test_first_tier_gets_ready_for_the_save_being_copied(tmp_path: Path, redis_url: str) -> None:
     """The first tier holds ``keep_last`` saves, the one being written and the one whose copy
     is still running (``keep_last`` leaves it in place): ``get_ready`` sizes it for all of
