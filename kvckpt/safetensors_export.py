@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .engines.base import Engine
 from .errors import KVCheckpointError
 from .stores import open_store
-from .transfer import first_missing, undo_export
+from .transfer import first_missing, load_in_process, undo_export
 
 #: The index file ``transformers`` reads to find a sharded model's files.
 INDEX_NAME = "model.safetensors.index.json"
@@ -280,11 +280,7 @@ def _load(
 ) -> list[torch.Tensor]:
     """The full tensors of ``batch``, in ``arena``'s memory, assembled by DCP from whatever
     chunks the ranks saved, every value checked against its checksum."""
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    from .reader import KVStorageReader
 
     state: dict[str, torch.Tensor] = {}
     at = 0
@@ -292,18 +288,7 @@ def _load(
         n = t.stored.itemsize * _numel(t.shape)
         state[t.fqn] = arena[at : at + n].view(t.stored).view(t.shape)
         at += -(-n // _ALIGN) * _ALIGN
-    try:
-        _load_state_dict(
-            state,
-            storage_reader=KVStorageReader(engine, checkpoint_id=checkpoint_id, verify=True),
-            planner=DefaultLoadPlanner(),
-            no_dist=True,
-        )
-    except CheckpointException as e:  # one process: its own error, not DCP's wrapper
-        failures = list(e.failures.values())
-        if len(failures) != 1:
-            raise
-        raise failures[0][0] from None
+    load_in_process(engine, checkpoint_id, state, DefaultLoadPlanner())
     return [state[t.fqn] for t in batch]
 
 

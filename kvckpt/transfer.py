@@ -926,9 +926,7 @@ def torch_save_checkpoint(store: str | Engine, checkpoint_id: str, path: str | o
     Every value is checked against the checksum its save recorded. The file is written under
     a temporary name next to ``path`` and renamed when whole: a failed run leaves no file, and
     a path it cannot write fails (``KVCheckpointError`` naming it) before anything is read."""
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     engine = open_store(store, create=False)
     # A missing store or checkpoint fails here with kvckpt's own error, not wrapped by DCP.
@@ -947,20 +945,7 @@ def torch_save_checkpoint(store: str | Engine, checkpoint_id: str, path: str | o
     try:
         with stream:
             state_dict: dict[str, Any] = {}
-            try:
-                _load_state_dict(
-                    state_dict,
-                    storage_reader=KVStorageReader(
-                        engine, checkpoint_id=checkpoint_id, verify=True
-                    ),
-                    planner=_EmptyStateDictLoadPlanner(),
-                    no_dist=True,
-                )
-            except CheckpointException as e:  # one process: its own error, not DCP's wrapper
-                failures = list(e.failures.values())
-                if len(failures) != 1:
-                    raise
-                raise failures[0][0] from None
+            load_in_process(engine, checkpoint_id, state_dict, _EmptyStateDictLoadPlanner())
             try:
                 torch.save(state_dict, stream)
             except OSError as e:
@@ -973,6 +958,28 @@ def torch_save_checkpoint(store: str | Engine, checkpoint_id: str, path: str | o
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def load_in_process(
+    engine: Engine, checkpoint_id: str, state_dict: dict[str, Any], planner: Any
+) -> None:
+    """``dcp.load`` of a checkpoint into ``state_dict`` by this process alone, every value
+    checked against its checksum; a failure raises kvckpt's own error, not DCP's wrapper."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    try:
+        _load_state_dict(
+            state_dict,
+            storage_reader=KVStorageReader(engine, checkpoint_id=checkpoint_id, verify=True),
+            planner=planner,
+            no_dist=True,
+        )
+    except CheckpointException as e:  # one process: one failure, its own error
+        failures = list(e.failures.values())
+        if len(failures) != 1:
+            raise
+        raise failures[0][0] from None
 
 
 class DirectoryReader(FileSystemReader):
