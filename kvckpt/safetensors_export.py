@@ -17,6 +17,7 @@ checked against the checksum its save recorded.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -72,10 +73,13 @@ class _Tensor:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.written.itemsize
+        """Bytes as written."""
+        return math.prod(self.shape) * self.written.itemsize
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes as stored, rounded up to ``_ALIGN``: its room in the arena a batch loads into."""
+        return -(-math.prod(self.shape) * self.stored.itemsize // _ALIGN) * _ALIGN
 
 
 def export_safetensors(
@@ -129,7 +133,7 @@ def export_safetensors(
     try:
         out.mkdir(parents=True, exist_ok=True)
         # One batch of tensors in memory at a time, of at most the largest tensor's bytes.
-        budget = max(-(-(t.stored.itemsize * _numel(t.shape)) // _ALIGN) * _ALIGN for t in tensors)
+        budget = max(t.slot_bytes for t in tensors)
         for shard, name in zip(shards, names, strict=True):
             _write_shard(engine, checkpoint_id, shard, name, budget)
         weight_map = {t.name: p.name for shard, p in zip(shards, names, strict=True) for t in shard}
@@ -236,7 +240,7 @@ def _batches(shard: list[_Tensor], budget: int) -> Iterator[list[_Tensor]]:
     batch: list[_Tensor] = []
     size = 0
     for t in shard:
-        n = -(-(t.stored.itemsize * _numel(t.shape)) // _ALIGN) * _ALIGN
+        n = t.slot_bytes
         if batch and size + n > budget:
             yield batch
             batch, size = [], 0
@@ -268,13 +272,6 @@ def _write_tensor(
         f.write(out[: piece.numel()].view(torch.uint8).numpy().data)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _load(
     engine: Engine, checkpoint_id: str, batch: list[_Tensor], arena: torch.Tensor
 ) -> list[torch.Tensor]:
@@ -285,9 +282,9 @@ def _load(
     state: dict[str, torch.Tensor] = {}
     at = 0
     for t in batch:
-        n = t.stored.itemsize * _numel(t.shape)
+        n = math.prod(t.shape) * t.stored.itemsize
         state[t.fqn] = arena[at : at + n].view(t.stored).view(t.shape)
-        at += -(-n // _ALIGN) * _ALIGN
+        at += t.slot_bytes
     load_in_process(engine, checkpoint_id, state, DefaultLoadPlanner())
     return [state[t.fqn] for t in batch]
 

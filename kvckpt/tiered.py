@@ -639,13 +639,16 @@ class Tiers:
         Each byte comes from the nearest place that holds it (``TieredStorageReader``): this
         node's store, another node's (sent over the process group), then the shared tiers.
         ``last_restore_stats`` then says where this rank's bytes came from."""
-        with events.Phase("restore", "choose", "", "") as phase:
-            choice = self.latest()
-            if choice is not None:
-                phase.checkpoint_id = choice.checkpoint_id
-                phase.store, phase.tier = choice.source, choice.tier
+        phase = events.Phase("restore", "choose", "", "")
+        choice = self.latest()
         if choice is None:
             return None
+        phase.checkpoint_id, phase.store, phase.tier = (
+            choice.checkpoint_id,
+            choice.source,
+            choice.tier,
+        )
+        phase.end()
         reader = self.reader(choice)
         dcp.load(state_dict, storage_reader=reader, **load_options)
         if isinstance(reader, TieredStorageReader):
