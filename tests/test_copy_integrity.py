@@ -149,15 +149,18 @@ def test_copy_into_other_part_sizes_records_checksums_of_the_checked_bytes(
 
 def test_copy_of_a_checkpoint_without_checksums(lmdb_url: str, redis_url: str, tmp_path) -> None:
     """Nothing to check: copied as read. The copy records checksums where the destination
-    records them by default (Redis), as a save there would; elsewhere none."""
-    save(lmdb_url, "plain")
-    copy_checkpoint(lmdb_url, "plain", redis_url)
-    record = KVStorageReader(redis_url, checkpoint_id="plain").read_record()
-    assert all(loc.checksums is not None for loc in record.locations.values())
+    records them by default (every built-in engine), as a save there would."""
+    save(lmdb_url, "plain", checksums=False)
+    assert all(
+        loc.checksums is None
+        for loc in KVStorageReader(lmdb_url, checkpoint_id="plain").read_record().locations.values()
+    )
     other = f"lmdb://{tmp_path / 'other'}"
-    copy_checkpoint(lmdb_url, "plain", other)
-    record = KVStorageReader(other, checkpoint_id="plain").read_record()
-    assert all(loc.checksums is None for loc in record.locations.values())
+    for dst in (redis_url, other):
+        copy_checkpoint(lmdb_url, "plain", dst)
+        record = KVStorageReader(dst, checkpoint_id="plain").read_record()
+        assert all(loc.checksums is not None for loc in record.locations.values())
+        assert verify(dst, "plain").ok
 
 
 def test_copy_refuses_an_existing_id_unless_told_to_overwrite(
@@ -300,8 +303,8 @@ def test_a_failed_import_leaves_nothing(lmdb_url: str, redis_url: str, tmp_path:
 def test_lmdb_checkpoint_with_checksums_is_verified_on_a_default_load(
     lmdb_url: str, direct: bool
 ) -> None:
-    save(lmdb_url, "summed", checksums=True)
-    save(lmdb_url, "plain")
+    save(lmdb_url, "summed")  # checksums by default
+    save(lmdb_url, "plain", checksums=False)
     key = corrupt(lmdb_url, "summed")
     corrupt(lmdb_url, "plain")
 

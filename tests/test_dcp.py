@@ -479,15 +479,20 @@ def test_engine_that_claims_to_hash_while_writing_but_does_not(lmdb_url: str) ->
     assert list_checkpoints(lmdb_url) == []
 
 
-def test_lmdb_checksums_are_opt_in(lmdb_url: str) -> None:
-    sd = {"w": torch.randn(32, 32)}
+def test_lmdb_checksums_are_on_by_default_and_saves_without_them_keep_loading(
+    lmdb_url: str,
+) -> None:
+    sd = {"w": torch.randn(1024, 2048)}  # 8 MiB: two parts, hashed and read on two threads
     save(sd, lmdb_url)
     record = KVStorageReader(lmdb_url, checkpoint_id="step-1").read_record()
-    assert all(loc.checksums is None for loc in record.locations.values())
-    save(sd, lmdb_url, cid="summed", checksums=True)
-    flip_one_byte(lmdb_url, "summed", "w")
+    assert all(loc.checksums is not None for loc in record.locations.values())
+    flip_one_byte(lmdb_url, "step-1", "w")
     with pytest.raises(BaseException, match="does not match the checksum"):
-        load({"w": torch.zeros(32, 32)}, lmdb_url, cid="summed", verify=True)
+        load({"w": torch.zeros(1024, 2048)}, lmdb_url)
+    save(sd, lmdb_url, cid="unsummed", checksums=False)
+    record = KVStorageReader(lmdb_url, checkpoint_id="unsummed").read_record()
+    assert all(loc.checksums is None for loc in record.locations.values())
+    assert torch.equal(load({"w": torch.zeros(1024, 2048)}, lmdb_url, cid="unsummed")["w"], sd["w"])
 
 
 def test_reader_pinned_to_a_save_refuses_a_resaved_id(store_url: str, caplog) -> None:

@@ -302,3 +302,41 @@ def test_redis_over_a_unix_socket(tmp_path) -> None:
         assert str(sock) in str(info.value) and "wrong" not in str(info.value)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("hashed", [True, False])
+def test_lmdb_reads_on_two_threads_land_every_value_and_its_digest(
+    tmp_path, monkeypatch, hashed: bool
+) -> None:
+    from kvckpt.engines import _parallel
+
+    monkeypatch.setattr(_parallel, "_COPY_PIECE", 1 << 20)  # split large values across threads
+    rng = random.Random(3)
+    values = [rng.randbytes(n) for n in (0, 1, 4096, 3 << 20, 5 << 20, 1 << 20, 777)]
+    engine = LMDBEngine(str(tmp_path / "s"))
+    engine.put_many([(f"k{i}", v) for i, v in enumerate(values)])
+    keys = [f"k{i}" for i in range(len(values))] + ["missing"]
+    buffers = [memoryview(bytearray(len(v))) for v in values] + [memoryview(bytearray(8))]
+    reported: dict[int, int | None] = {}
+    sizes = engine.get_into(
+        keys, buffers, on_value=reported.__setitem__, hasher=new_checksum if hashed else None
+    )
+    assert sizes == [len(v) for v in values] + [None]
+    assert [bytes(b) for b in buffers[:-1]] == values
+    assert sorted(reported) == list(range(len(values)))
+    if hashed:
+        assert reported == {i: checksum(memoryview(v)) for i, v in enumerate(values)}
+
+
+def test_lmdb_saves_report_each_values_digest_hashed_after_its_copy(tmp_path) -> None:
+    rng = random.Random(4)
+    values = [rng.randbytes(n) for n in (5, 2 << 20, 0, 3 << 20)]
+    engine = LMDBEngine(str(tmp_path / "s"), txn_bytes=2 << 20)  # several write transactions
+    reported: dict[int, int | None] = {}
+    engine.put_many(
+        [(f"k{i}", v) for i, v in enumerate(values)],
+        on_value=reported.__setitem__,
+        hasher=new_checksum,
+    )
+    assert reported == {i: checksum(memoryview(v)) for i, v in enumerate(values)}
+    assert [engine.get(f"k{i}") for i in range(len(values))] == values

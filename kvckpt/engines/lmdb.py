@@ -44,6 +44,7 @@ from ._pages import (
     _populate_write,
     _ranks_on_node,
 )
+from ._parallel import TrailingHashes, fill
 from .base import BytesLike, Consumer, Engine, Hasher, StoreUsage, Update, ValueCallback
 
 #: The query options of an LMDB URL.
@@ -54,15 +55,21 @@ _GIB = 1 << 30
 #: How many bytes one write transaction carries before it commits (bounds dirty pages);
 #: URL option ``txn_bytes``.
 _TXN_BYTES = 1 * _GIB
+#: The largest value one key holds (URL option ``part_bytes``): parts that fit the CPU cache
+#: let a save hash each one just after LMDB copied it (``TrailingHashes``), and match Redis's,
+#: so a copy between the two sends parts as they are.
+_PART_BYTES = 4 * _MIB
 _DELETE_BATCH = 10_000
 
 
 class LMDBEngine(Engine):
-    """``lmdb:///abs/dir[?prefix=NAME&map_size=1GiB&sync=1&writemap=1&part_bytes=1GiB
+    """``lmdb:///abs/dir[?prefix=NAME&map_size=1GiB&sync=1&writemap=1&part_bytes=4MiB
     &txn_bytes=1GiB]``"""
 
     shared = False
     zero_copy_reads = True
+    checksums_by_default = True
+    hashes_while_writing = True
 
     def __init__(
         self,
@@ -72,7 +79,7 @@ class LMDBEngine(Engine):
         map_size: int = 1 * _GIB,
         sync: bool = True,
         writemap: bool = True,
-        part_bytes: int = 1 * _GIB,
+        part_bytes: int = _PART_BYTES,
         txn_bytes: int = _TXN_BYTES,
         create: bool = True,
     ) -> None:
@@ -104,7 +111,7 @@ class LMDBEngine(Engine):
             map_size=take_option(opts, "map_size", url, parse_size, 1 * _GIB),
             sync=take_option(opts, "sync", url, parse_bool, True),
             writemap=take_option(opts, "writemap", url, parse_bool, True),
-            part_bytes=take_option(opts, "part_bytes", url, parse_size, 1 * _GIB),
+            part_bytes=take_option(opts, "part_bytes", url, parse_size, _PART_BYTES),
             txn_bytes=take_option(opts, "txn_bytes", url, parse_size, _TXN_BYTES),
         )
         reject_unknown_options(opts, url, "LMDB URL", LMDB_OPTIONS)
@@ -398,22 +405,37 @@ class LMDBEngine(Engine):
         hasher: Callable[[], Hasher] | None = None,
         spare_of: Callable[[str], str] | None = None,
     ) -> None:
-        # neither hashes_while_writing nor reuses_values: on_value, hasher, spare_of unused
-        batch: list[tuple[bytes, BytesLike]] = []
-        size = 0
-        for key, value in items:
-            batch.append((key.encode(), value))
-            size += memoryview(value).nbytes
-            if size >= self.txn_bytes:
-                self._put_batch(batch, size)
-                batch, size = [], 0
-        if batch:
-            self._put_batch(batch, size)
+        # not reuses_values (spare_of unused): LMDB reuses freed pages by itself
+        hashes = None if on_value is None or hasher is None else TrailingHashes(hasher, on_value)
+        batch: list[tuple[bytes, memoryview]] = []
+        size = first = 0
+        try:
+            for key, value in items:
+                view = memoryview(value)
+                batch.append((key.encode(), view))
+                size += view.nbytes
+                if size >= self.txn_bytes:
+                    self._put_batch(batch, size, first, hashes)
+                    first += len(batch)
+                    batch, size = [], 0
+            if batch:
+                self._put_batch(batch, size, first, hashes)
+        finally:
+            if hashes is not None:
+                hashes.wait()
 
-    def _put_batch(self, batch: list[tuple[bytes, BytesLike]], size: int) -> None:
+    def _put_batch(
+        self,
+        batch: list[tuple[bytes, memoryview]],
+        size: int,
+        first: int,
+        hashes: TrailingHashes | None,
+    ) -> None:
         def apply(txn: lmdb.Transaction) -> None:
-            for k, v in batch:
+            for j, (k, v) in enumerate(batch):
                 txn.put(k, v)
+                if hashes is not None:  # (again on a retry: the last report counts)
+                    hashes.written(first + j, v)
 
         self._write(apply, size + 64 * len(batch))
 
@@ -422,6 +444,26 @@ class LMDBEngine(Engine):
             for i, key in enumerate(keys):
                 # a view of the map: read transactions are begun with buffers=True
                 consume(i, txn.get(key.encode()))  # type: ignore[arg-type]
+
+    def get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[memoryview],
+        on_value: ValueCallback | None = None,
+        hasher: Callable[[], Hasher] | None = None,
+    ) -> list[int | None]:
+        # One copy out of the map per value, hashed as it is copied, split over two threads.
+        sizes: list[int | None] = [None] * len(keys)
+        with self._read_txn() as txn:
+            views: list[memoryview | None] = [txn.get(k.encode()) for k in keys]  # type: ignore[misc]
+            jobs = []
+            for i, view in enumerate(views):
+                if view is not None:
+                    sizes[i] = view.nbytes
+                    if view.nbytes == buffers[i].nbytes:
+                        jobs.append(i)
+            fill(views, buffers, jobs, hasher, on_value)
+        return sizes
 
     @contextmanager
     def borrow(self, keys: Sequence[str]) -> Iterator[list[memoryview | None]]:
