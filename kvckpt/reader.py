@@ -83,7 +83,7 @@ class KVStorageReader(KVStorageBase, StorageReader):
         verify: check each value against the checksum its save recorded, wherever the save
             recorded them (the default, None or True); False loads without checking. Whether a
             save records checksums is the writer's choice (``KVStorageWriter(checksums=)``: on
-            by default for Redis, off for LMDB).
+            by default for every built-in engine).
         batch_bytes: how many bytes to request from the engine per batch (bounds memory).
         save_id: load only this save of the checkpoint id (``read_record().save_id``) and fail
             clearly if the id was re-saved since: for loads made of several reads that must

@@ -225,8 +225,8 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
             metadata first, data a little later, so no reader sees a half-expired checkpoint.
             Redis only.
         checksums: record an xxh3 checksum of every value, which loads and ``kvckpt verify``
-            check. Default: the engine's choice (on for Redis, off for LMDB, where hashing
-            would cost more than half the load time; see docs/RELIABILITY.md).
+            check. Default: the engine's choice (on for every built-in engine, where hashing
+            costs under a tenth of a save and a load; see docs/RELIABILITY.md).
         lease: seconds a save holds the checkpoint id's write lease without renewing it (it is
             renewed while data is written). A second writer of the same id fails fast while the
             lease is held; a crashed writer's lease lapses after this long.
