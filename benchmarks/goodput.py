@@ -332,7 +332,7 @@ def verify(
     places: Places, econ: Economy, args: argparse.Namespace, calibration: dict[str, Any]
 ) -> None:
     """Measure each system's overhead at its estimated interval: a run saving at the interval
-    (over at least ``--verify-steps`` steps and ``--calibrate-saves`` saves) against the time
+    (over at least ``--verify-steps`` steps and ``--verify-saves`` saves) against the time
     per step of a run that never checkpoints (``none_step``). With
     ``--search`` (``--verify-tries`` above 1) the interval then moves in proportion to the
     measured overhead (``next_interval``), up while above the limit, down while well under it,
@@ -354,7 +354,7 @@ def verify(
         interval: int | None = chosen["interval"]
         tries: list[dict[str, Any]] = []
         while interval is not None and (len(tries) < args.verify_tries or _well_under(tries, args)):
-            saves = max(args.calibrate_saves, math.ceil(args.verify_steps / interval))
+            saves = max(args.verify_saves, math.ceil(args.verify_steps / interval))
             early = [args.calibrate_every * k for k in range(1, warm + 1)]
             if early and early[-1] + args.calibrate_every <= interval:
                 start, also = interval, ",".join(map(str, early))  # warm-up saves first
@@ -1004,6 +1004,13 @@ def main() -> None:
         "--verify-steps", type=int, default=16, help="steps each interval is checked over"
     )
     ap.add_argument(
+        "--verify-saves",
+        type=int,
+        default=2,
+        help="saves each interval is checked over at least (a long interval's check is this "
+        "many intervals long; --search: 3)",
+    )
+    ap.add_argument(
         "--verify-tries", type=int, default=1, help="intervals measured per system (--search: 4)"
     )
     ap.add_argument(
@@ -1045,6 +1052,7 @@ def main() -> None:
     if args.search:
         args.verify_tries = max(args.verify_tries, 4)
         args.verify_steps = max(args.verify_steps, 24)
+        args.verify_saves = max(args.verify_saves, 3)
         args.calibrate_every, args.calibrate_warmup = 6, 2
     if args.kills != "auto":
         args.kills = [float(k) for k in args.kills.split(",")]

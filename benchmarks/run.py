@@ -20,6 +20,7 @@ import contextlib
 import datetime as dt
 import functools
 import gc
+import itertools
 import os
 import platform
 import shutil
@@ -402,6 +403,51 @@ class Bench:
         self.record("raw_lmdb_get_copy", timed(raw_get, self.reps))
         close_env()
 
+    def new_store_saves(self) -> None:
+        """Ten saves into a new LMDB store with keep_last=2 and no ``get_ready`` call, as a job
+        that never asks for it: after its first save the store gets the pages of the next ones
+        ready by itself. Once back to back, once with 1 s between saves (the host idle during
+        an accelerator's steps). The ceiling is LMDB's own put of the same parts into a store
+        that holds the two previous copies: one thread's memcpy in one write transaction."""
+        for label, gap in (("back_to_back", 0.0), ("gap1", 1.0)):
+            url = f"lmdb://{self.fresh(self.scratch)}"
+            times = []
+            for _ in range(10):
+                writer = KVStorageWriter(url, keep_last=2)
+                gc.collect()
+                t0 = time.perf_counter()
+                dcp.save(self.sd, storage_writer=writer, checkpoint_id=next(self.ids))
+                times.append(time.perf_counter() - t0)
+                time.sleep(gap)
+            self.record(f"kv_lmdb_new_store_first_{label}", times[:1])
+            self.record(f"kv_lmdb_new_store_later_{label}", times[1:])
+            part = int(kvckpt.open_store(url).max_value_bytes)
+            close_idle_environments(url.removeprefix("lmdb://"))
+            shutil.rmtree(url.removeprefix("lmdb://"))
+        path = self.fresh(self.scratch)
+        env = lmdb.open(str(path), map_size=8 * self.size + 64 * MIB, writemap=True, sync=False)
+        saves: list[list[bytes]] = []
+        generations = itertools.count()
+
+        def put() -> None:
+            if len(saves) >= 3:
+                with env.begin(write=True) as txn:
+                    for k in saves.pop(0):
+                        txn.delete(k)
+            keys, generation = [], next(generations)
+            with env.begin(write=True) as txn:
+                for k, v in tensor_parts(self.sd, part):
+                    key = b"%d/" % generation + k
+                    txn.put(key, v)
+                    keys.append(key)
+            saves.append(keys)
+
+        for _ in range(3):
+            put()
+        self.record("raw_lmdb_put_steady", timed(put, max(self.reps, 5)))
+        env.close()
+        shutil.rmtree(path)
+
     def saves_taking_turns(self) -> None:
         """Every save that a ratio compares, taking turns with its baseline, one repeat of each
         per round: kvckpt into LMDB and Redis, the raw-socket SET, and DCP's t=1 and t=2.
@@ -739,6 +785,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         bench.dcp_files()
         bench.raw_lmdb()
+        bench.new_store_saves()
         bench.saves_taking_turns()
         bench.lmdb_loads()
         bench.redis_loads()
@@ -880,6 +927,32 @@ def ratios(r: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:
                 None,
             )
         )
+    for label, gap in (("1 s between saves", "gap1"), ("back to back", "back_to_back")):
+        later = f"kv_lmdb_new_store_later_{gap}"
+        rows.append(
+            (
+                f"LMDB new store, no get_ready, keep_last=2: saves 2-10 median GB/s ({label})",
+                g(later),
+                ">= 12",
+                g(later) >= 12,
+            )
+        )
+        rows.append(
+            (
+                f"LMDB new store, no get_ready: saves 2-10 slowest GB/s ({label})",
+                size / max(r[later]["runs_s"]) / 1e9,
+                "(the tail)",
+                None,
+            )
+        )
+    rows.append(
+        (
+            "LMDB put steady, no kvckpt (GB/s): the ceiling of one write transaction",
+            g("raw_lmdb_put_steady"),
+            "(for comparison)",
+            None,
+        )
+    )
     for label, ours, threads in (
         ("LMDB save steady", "kv_lmdb_save_steady", 2),
         ("LMDB save first", "kv_lmdb_save_first", 1),
