@@ -113,6 +113,7 @@ def take_turns(
 ) -> dict[str, list[float]]:
     """Time ``{name: (fn, setup)}``, one repeat of each case per round, ``repeats`` rounds,
     each round starting one case further along; ``after()`` (untimed) checks each run's result.
+    Each case starts once the previous one's background work is done (``settle``).
 
     For cases compared with each other (kvckpt against the raw client, verified against
     unverified loads, the small-tensor round trips): this VM's timings drift and jump during a
@@ -127,6 +128,7 @@ def take_turns(
             fn, setup = cases[name]
             if setup is not None:
                 setup()
+            settle()
             gc.collect()
             t0 = time.perf_counter()
             fn()
@@ -134,6 +136,14 @@ def take_turns(
             if after is not None:
                 after()
     return times
+
+
+def settle() -> None:
+    """Wait for the pages a new LMDB store gets ready in the background after its first save
+    (``Engine.get_ready``): a training job's steps overlap that work, the next case must not."""
+    for thread in threading.enumerate():
+        if thread.name == "kvckpt-lmdb-get-ready":
+            thread.join()
 
 
 def zero(sd: dict[str, torch.Tensor]) -> None:
@@ -410,6 +420,7 @@ class Bench:
         an accelerator's steps). The ceiling is LMDB's own put of the same parts into a store
         that holds the two previous copies: one thread's memcpy in one write transaction."""
         for label, gap in (("back_to_back", 0.0), ("gap1", 1.0)):
+            settle()
             url = f"lmdb://{self.fresh(self.scratch)}"
             times = []
             for _ in range(10):
