@@ -328,7 +328,7 @@ def test_lmdb_reads_on_two_threads_land_every_value_and_its_digest(
         assert reported == {i: checksum(memoryview(v)) for i, v in enumerate(values)}
 
 
-def test_lmdb_saves_report_each_values_digest_hashed_after_its_copy(tmp_path) -> None:
+def test_lmdb_saves_report_each_values_digest_hashed_ahead_of_its_copy(tmp_path) -> None:
     rng = random.Random(4)
     values = [rng.randbytes(n) for n in (5, 2 << 20, 0, 3 << 20)]
     engine = LMDBEngine(str(tmp_path / "s"), txn_bytes=2 << 20)  # several write transactions

@@ -44,7 +44,7 @@ from ._pages import (
     _populate_write,
     _ranks_on_node,
 )
-from ._parallel import TrailingHashes, fill
+from ._parallel import HashesAhead, fill
 from .base import BytesLike, Consumer, Engine, Hasher, StoreUsage, Update, ValueCallback
 
 #: The query options of an LMDB URL.
@@ -56,8 +56,8 @@ _GIB = 1 << 30
 #: URL option ``txn_bytes``.
 _TXN_BYTES = 1 * _GIB
 #: The largest value one key holds (URL option ``part_bytes``): parts that fit the CPU cache
-#: let a save hash each one just after LMDB copied it (``TrailingHashes``), and match Redis's,
-#: so a copy between the two sends parts as they are.
+#: let a save hash each one just before LMDB copies it, from the cache (``HashesAhead``), and
+#: match Redis's, so a copy between the two sends parts as they are.
 _PART_BYTES = 4 * _MIB
 _DELETE_BATCH = 10_000
 
@@ -406,7 +406,7 @@ class LMDBEngine(Engine):
         spare_of: Callable[[str], str] | None = None,
     ) -> None:
         # not reuses_values (spare_of unused): LMDB reuses freed pages by itself
-        hashes = None if on_value is None or hasher is None else TrailingHashes(hasher, on_value)
+        hashes = None if on_value is None or hasher is None else HashesAhead(hasher, on_value)
         batch: list[tuple[bytes, memoryview]] = []
         size = first = 0
         try:
@@ -429,13 +429,16 @@ class LMDBEngine(Engine):
         batch: list[tuple[bytes, memoryview]],
         size: int,
         first: int,
-        hashes: TrailingHashes | None,
+        hashes: HashesAhead | None,
     ) -> None:
         def apply(txn: lmdb.Transaction) -> None:
+            # (on a retry, values are hashed again: the last report counts)
+            if hashes is not None:
+                hashes.ahead(first, batch[0][1])
             for j, (k, v) in enumerate(batch):
+                if hashes is not None and j + 1 < len(batch):
+                    hashes.ahead(first + j + 1, batch[j + 1][1])
                 txn.put(k, v)
-                if hashes is not None:  # (again on a retry: the last report counts)
-                    hashes.written(first + j, v)
 
         self._write(apply, size + 64 * len(batch))
 
