@@ -15,34 +15,24 @@ count of a thread the child does not have, and work submitted to it never runs.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from queue import SimpleQueue
 
 import numpy as np
 
-from .base import Hasher, ValueCallback
+from .base import Hasher, ValueCallback, copy_and_hash
 
 #: Below this many bytes a call stays on one thread: starting one costs more than it saves.
 _MIN_PARALLEL_BYTES = 4 << 20
 #: Unhashed values are split into pieces of this size, so one large value uses both threads.
 _COPY_PIECE = 64 << 20
-#: Pieces copied and then hashed while still in the CPU's cache (1 MiB measured cheaper than
-#: 256 KiB, whose per-piece overhead in Python, held under the GIL, serializes the threads).
-_HASH_PIECE = 1 << 20
 #: Values smaller than this are hashed inline: handing them to a thread costs more.
 _INLINE_HASH_BYTES = 1 << 20
 
 
 def _array(view: memoryview) -> np.ndarray:
     return np.frombuffer(view, dtype=np.uint8)
-
-
-def _copy_and_hash(dest: np.ndarray, src: np.ndarray, hasher: Hasher) -> int:
-    for start in range(0, src.size, _HASH_PIECE):
-        piece = dest[start : start + _HASH_PIECE]
-        np.copyto(piece, src[start : start + _HASH_PIECE])
-        hasher.update(piece.data)
-    return hasher.intdigest()
 
 
 def fill(
@@ -61,9 +51,7 @@ def fill(
         n = buffers[i].nbytes
         step = max(n, 1) if hasher is not None else _COPY_PIECE
         units.extend((i, a, min(a + step, n)) for a in range(0, max(n, 1), step))
-    left: dict[int, int] = {}  # pieces of each unhashed value still to copy
-    for i, _, _ in units:
-        left[i] = left.get(i, 0) + 1
+    left = Counter(i for i, _, _ in units)  # pieces of each unhashed value still to copy
     lock = threading.Lock()
     failure: list[BaseException] = []
     queue = iter(units)
@@ -73,11 +61,10 @@ def fill(
             for i, a, b in queue:  # (next() on a list iterator is atomic under the GIL)
                 if failure:
                     return
-                src, dest = _array(sources[i])[a:b], _array(buffers[i])[a:b]  # type: ignore[arg-type]
-                if hasher is not None:
-                    digest: int | None = _copy_and_hash(dest, src, hasher())
+                if hasher is not None:  # (a whole value: a == 0, b == its size)
+                    digest: int | None = copy_and_hash(buffers[i], sources[i], hasher())  # type: ignore[arg-type]
                 else:
-                    np.copyto(dest, src)
+                    np.copyto(_array(buffers[i])[a:b], _array(sources[i])[a:b])  # type: ignore[arg-type]
                     digest = None
                     with lock:
                         left[i] -= 1

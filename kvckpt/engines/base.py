@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 #: Anything with the buffer protocol that kvckpt hands to an engine as a value.
 BytesLike = bytes | bytearray | memoryview
 
@@ -38,17 +40,22 @@ class Hasher(Protocol):
 #: with its digest (None unhashed).
 ValueCallback = Callable[[int, int | None], None]
 
-#: Pieces copied and then hashed while still in the CPU cache.
+#: Pieces hashed just before they go to a socket, which then reads them from the CPU cache.
 _HASH_PIECE = 256 * 1024
+#: Pieces copied and then hashed while still in the CPU's cache (1 MiB measured cheaper than
+#: 256 KiB, whose per-piece overhead in Python, held under the GIL, serialized two threads).
+_COPY_HASH_PIECE = 1 << 20
 
 
 def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher) -> int:
     """Copy ``src`` into ``dest`` a cache-sized piece at a time, hashing each piece just
-    copied: one pass over memory instead of two."""
-    for start in range(0, src.nbytes, _HASH_PIECE):
-        piece = dest[start : start + _HASH_PIECE]
-        piece[:] = src[start : start + _HASH_PIECE]
-        hasher.update(piece)
+    copied: one pass over memory instead of two. Both steps release the GIL (numpy's copy,
+    xxhash), so several threads can run it at once."""
+    out, into = np.frombuffer(dest, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8)
+    for start in range(0, into.size, _COPY_HASH_PIECE):
+        piece = out[start : start + _COPY_HASH_PIECE]
+        np.copyto(piece, into[start : start + _COPY_HASH_PIECE])
+        hasher.update(piece.data)
     return hasher.intdigest()
 
 
