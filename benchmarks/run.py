@@ -21,6 +21,7 @@ import datetime as dt
 import functools
 import gc
 import itertools
+import json
 import os
 import platform
 import shutil
@@ -242,6 +243,72 @@ def tensor_parts(sd: dict[str, torch.Tensor], part: int) -> list[tuple[bytes, me
     return items
 
 
+STORE_MODE_TUNABLE = "glibc.cpu.x86_non_temporal_threshold=0x400000"
+
+
+def new_store_save_times(
+    sd: dict[str, torch.Tensor], path: Path, gap: float, ids: Any
+) -> list[float]:
+    """Seconds of each of ten saves into a new LMDB store at ``path`` (keep_last=2, no
+    ``get_ready``), ``gap`` seconds apart; the store is removed after."""
+    url = f"lmdb://{path}"
+    times = []
+    for _ in range(10):
+        writer = KVStorageWriter(url, keep_last=2)
+        gc.collect()
+        t0 = time.perf_counter()
+        dcp.save(sd, storage_writer=writer, checkpoint_id=next(ids))
+        times.append(time.perf_counter() - t0)
+        time.sleep(gap)
+    settle()
+    close_idle_environments(str(path))
+    shutil.rmtree(path)
+    return times
+
+
+def raw_lmdb_put_steady(
+    sd: dict[str, torch.Tensor], path: Path, part: int, repeats: int
+) -> list[float]:
+    """Seconds of LMDB's own put of ``sd`` in ``part``-byte values, in one write transaction,
+    into a store that holds the two previous copies (their pages freed one save later)."""
+    size = nbytes(sd)
+    env = lmdb.open(str(path), map_size=8 * size + 64 * MIB, writemap=True, sync=False)
+    saves: list[list[bytes]] = []
+    generations = itertools.count()
+
+    def put() -> None:
+        if len(saves) >= 3:
+            with env.begin(write=True) as txn:
+                for k in saves.pop(0):
+                    txn.delete(k)
+        keys, generation = [], next(generations)
+        with env.begin(write=True) as txn:
+            for k, v in tensor_parts(sd, part):
+                key = b"%d/" % generation + k
+                txn.put(key, v)
+                keys.append(key)
+        saves.append(keys)
+
+    for _ in range(3):
+        put()
+    times = timed(put, repeats)
+    env.close()
+    shutil.rmtree(path)
+    return times
+
+
+def store_mode_child(scratch: Path, size_mib: int, repeats: int, gap: float) -> None:
+    """``Bench.store_mode``'s child: print the new-store saves 2-10 (``gap`` seconds apart) and
+    LMDB's own steady put as one JSON line."""
+    sd = make_state_dict(size_mib * MIB)
+    base = Path(tempfile.mkdtemp(prefix="store-mode-", dir=scratch))
+    ids = (f"c{i}" for i in range(10**9))
+    later = new_store_save_times(sd, base / "kv", gap, ids)[1:]
+    raw = raw_lmdb_put_steady(sd, base / "raw", 4 * MIB, max(repeats, 5))
+    shutil.rmtree(base, ignore_errors=True)
+    print(json.dumps({"later": later, "raw_put": raw}))
+
+
 # -- RSS ------------------------------------------------------------------------------------------
 
 
@@ -421,43 +488,54 @@ class Bench:
         that holds the two previous copies: one thread's memcpy in one write transaction."""
         for label, gap in (("back_to_back", 0.0), ("gap1", 1.0)):
             settle()
-            url = f"lmdb://{self.fresh(self.scratch)}"
-            times = []
-            for _ in range(10):
-                writer = KVStorageWriter(url, keep_last=2)
-                gc.collect()
-                t0 = time.perf_counter()
-                dcp.save(self.sd, storage_writer=writer, checkpoint_id=next(self.ids))
-                times.append(time.perf_counter() - t0)
-                time.sleep(gap)
+            times = new_store_save_times(self.sd, self.fresh(self.scratch), gap, self.ids)
             self.record(f"kv_lmdb_new_store_first_{label}", times[:1])
             self.record(f"kv_lmdb_new_store_later_{label}", times[1:])
-            part = int(kvckpt.open_store(url).max_value_bytes)
-            close_idle_environments(url.removeprefix("lmdb://"))
-            shutil.rmtree(url.removeprefix("lmdb://"))
-        path = self.fresh(self.scratch)
-        env = lmdb.open(str(path), map_size=8 * self.size + 64 * MIB, writemap=True, sync=False)
-        saves: list[list[bytes]] = []
-        generations = itertools.count()
+        part = int(kvckpt.open_store(self.steady).max_value_bytes)
+        self.record(
+            "raw_lmdb_put_steady",
+            raw_lmdb_put_steady(self.sd, self.fresh(self.scratch), part, max(self.reps, 5)),
+        )
 
-        def put() -> None:
-            if len(saves) >= 3:
-                with env.begin(write=True) as txn:
-                    for k in saves.pop(0):
-                        txn.delete(k)
-            keys, generation = [], next(generations)
-            with env.begin(write=True) as txn:
-                for k, v in tensor_parts(self.sd, part):
-                    key = b"%d/" % generation + k
-                    txn.put(key, v)
-                    keys.append(key)
-            saves.append(keys)
+    def store_mode(self) -> None:
+        """The same new-store saves and LMDB's own steady put, each in a process of its own,
+        with glibc's default memcpy and with its non-temporal threshold at the 4 MiB part size
+        (``GLIBC_TUNABLES``, read at a process's start), the two kinds of process taking turns.
 
-        for _ in range(3):
-            put()
-        self.record("raw_lmdb_put_steady", timed(put, max(self.reps, 5)))
-        env.close()
-        shutil.rmtree(path)
+        Below the threshold (192 MiB on this VM: three quarters of the 256 MiB of shared
+        cache the VM reports), memcpy's stores read every destination line into the cache
+        before writing it: three passes over memory per byte copied, where a non-temporal
+        store makes two."""
+        runs = max(1, self.reps // 3)  # (3 at --repeats 9)
+        gap = 1.0 if self.size >= 256 * MIB else 0.0  # (none in a smoke run)
+        cases = {"default": {}, "nt": {"GLIBC_TUNABLES": STORE_MODE_TUNABLE}}
+        found: dict[str, list[dict[str, list[float]]]] = {name: [] for name in cases}
+        for r in range(runs):
+            for name in list(cases)[r % 2 :] + list(cases)[: r % 2]:
+                settle()
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--store-mode-child",
+                        str(self.scratch),
+                        "--size-mib",
+                        str(self.args.size_mib),
+                        "--repeats",
+                        str(self.reps),
+                        "--store-mode-gap",
+                        str(gap),
+                    ],
+                    env={**os.environ, **cases[name]},
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                found[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        for name, children in found.items():
+            for key in ("later", "raw_put"):
+                times = [t for child in children for t in child[key]]
+                self.record(f"store_mode_{name}_{key}", times)
 
     def saves_taking_turns(self) -> None:
         """Every save that a ratio compares, taking turns with its baseline, one repeat of each
@@ -515,17 +593,16 @@ class Bench:
 
     def lmdb_save_checksums(self) -> None:
         """Steady LMDB saves with checksums (the default) and without, taking turns with each
-        other alone: the checksum cost is a difference of a few milliseconds, which the other
-        saves' fresh memory, taking turns in the same rounds, would drown."""
-        self.record_turns(
-            {
-                "kv_lmdb_save_steady_sum": (self.steady_save(self.steady), None),
-                "kv_lmdb_save_steady_nosum": (
-                    self.steady_save(self.steady, checksums=False),
-                    None,
-                ),
-            }
-        )
+        other alone, three times as many rounds as other cases (a save takes a tenth of a
+        second): the checksum cost is a difference of a few milliseconds, which the other
+        saves' fresh memory, taking turns in the same rounds, would drown. The cost is the
+        median of the rounds' ratios, each of two saves made one after the other."""
+        cases: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]] = {
+            "kv_lmdb_save_steady_sum": (self.steady_save(self.steady), None),
+            "kv_lmdb_save_steady_nosum": (self.steady_save(self.steady, checksums=False), None),
+        }
+        for name, times in take_turns(cases, 3 * self.reps).items():
+            self.record(name, times)
 
     def steady_save(self, url: str, **options: Any) -> Callable[[], Any]:
         """A save of a new checkpoint with keep_last=1, as a training job saves."""
@@ -810,6 +887,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bench.dcp_files()
         bench.raw_lmdb()
         bench.new_store_saves()
+        bench.store_mode()
         bench.saves_taking_turns()
         bench.lmdb_save_checksums()
         bench.lmdb_loads()
@@ -978,6 +1056,25 @@ def ratios(r: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:
             None,
         )
     )
+    if "store_mode_nt_later" in r:
+        for label, name in (("glibc's default", "default"), ("non-temporal from 4 MiB", "nt")):
+            rows.append(
+                (
+                    f"LMDB new store, no get_ready, 1 s apart, own process, memcpy {label}: "
+                    "saves 2-10 median GB/s",
+                    g(f"store_mode_{name}_later"),
+                    ">= 12" if name == "nt" else "(for comparison)",
+                    g(f"store_mode_{name}_later") >= 12 if name == "nt" else None,
+                )
+            )
+            rows.append(
+                (
+                    f"LMDB put steady, no kvckpt, own process, memcpy {label} (GB/s)",
+                    g(f"store_mode_{name}_raw_put"),
+                    "(the ceiling)",
+                    None,
+                )
+            )
     for label, ours, threads in (
         ("LMDB save steady", "kv_lmdb_save_steady", 2),
         ("LMDB save first", "kv_lmdb_save_first", 1),
@@ -1006,7 +1103,13 @@ def ratios(r: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:
         # how saves hashed before the engine hashed as it sent: for comparison only
         ("Redis save, worker thread", "kv_redis_save_nosum", "kv_redis_save_sum_thread", False),
     ):
-        cost = t(summed) / t(plain) - 1
+        # paired: each round of take_turns times one of each, next to each other
+        cost = (
+            statistics.median(
+                a / b for a, b in zip(r[summed]["runs_s"], r[plain]["runs_s"], strict=True)
+            )
+            - 1
+        )
         rows.append(
             (
                 f"checksum cost, {label} (fraction of its time)",
@@ -1081,7 +1184,14 @@ def main(argv: list[str] | None = None) -> int:
         help="also run benchmarks/goodput.py (training time lost per failure, ~30 min) or "
         "benchmarks/scaling.py (1-4 ranks, one Redis vs a cluster), at their defaults, into --out",
     )
+    parser.add_argument("--store-mode-child", help=argparse.SUPPRESS)
+    parser.add_argument("--store-mode-gap", type=float, default=1.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.store_mode_child:
+        store_mode_child(
+            Path(args.store_mode_child), args.size_mib, args.repeats, args.store_mode_gap
+        )
+        return 0
     results = run(args)
     results["machine"] = (
         f"{platform.machine()}, {os.cpu_count()} cores, "
