@@ -34,17 +34,19 @@ set up for this host), so the systems differ only in where the bytes go. Per eco
    previous save's upload. Each system uses its cheaper mode, at the smallest interval whose
    estimated overhead is at most ``--overhead`` (5%) of training time; the estimate is then
    **measured at the interval** (a run saving at it against a run that never saves); where that
-   came in under half the limit (a high estimate), twice more, moving down. With
-   ``--search`` the interval then moves in proportion to the measured overhead until the
+   came in under half the limit (a high estimate), twice more, moving down (by half at most).
+   With ``--search`` the interval then moves in proportion to the measured overhead until the
    smallest interval that passes is within 10% of the largest that fails (``--verify-tries``).
 2. **Time to first step.** A fresh start that never checkpoints, against a start that restores
    ``Tiers``' newest checkpoint on a new node: with ``prefetch()`` (which copies only where a
-   core is spare), with ``prefetch(force=True)`` and without; taking turns.
+   core is spare) and without; taking turns. ``--search`` adds ``prefetch(force=True)`` and a
+   restore whose node kept its store (the best a prefetch can leave).
 3. **Failures.** Each system trains at its interval while a rank is SIGKILLed three times,
    spaced by the system's interval plus the slowest time to first step (``--kills`` gives
    seconds after launch for every system instead); a kill waits until the job is back from
    the one before; torchrun restarts the job. A run that never checkpoints is killed the same
-   way, for the relaunch that no checkpointing system can avoid. Per failure: *lost* = kill
+   way, for the relaunch that no checkpointing system can avoid. A run stops once it is back
+   from its third kill: all there is to measure. Per failure: *lost* = kill
    -> the job is back at the step it had reached, split into relaunch (kill -> the restore
    starts), restore and recompute; for ``Tiers`` less the time the restarted job takes to
    delete the node-local store, which stands in for a new node (that has nothing to delete).
@@ -55,7 +57,7 @@ set up for this host), so the systems differ only in where the bytes go. Per eco
    recompute + what the system adds to relaunch over the never-checkpointing run's (a
    prefetch competing with start-up, say). *Goodput* = failure-free time (the
    never-checkpointing job's measured start-up plus its measured time per step, over the same
-   steps) / this run's time.
+   steps) / this run's time, from launch until it is back from its third kill.
 
     python benchmarks/goodput.py --out docs/benchmark          # both economies, ~30 min
     python benchmarks/goodput.py --economy cuda --out docs/benchmark/h100   # on a GPU machine
@@ -415,6 +417,7 @@ def next_interval(tries: list[dict[str, Any]], limit: float, searching: bool = T
     of training it takes falls as 1/interval), kept strictly between the largest interval
     that failed and the smallest that passed. Done when no interval is left between them, or
     the candidate is within 10% of a passing interval (closer than the measurement's noise).
+    Down, it moves by half the interval at most.
     ``searching=False``: the raise after the last failure, whatever the bracket."""
     passed = min((t["interval"] for t in tries if t["overhead"] <= limit), default=None)
     failed = max((t["interval"] for t in tries if t["overhead"] > limit), default=0)
@@ -422,8 +425,8 @@ def next_interval(tries: list[dict[str, Any]], limit: float, searching: bool = T
     guess = last["interval"] * max(last["overhead"], 0.0) / limit
     if last["overhead"] > limit:
         candidate = max(last["interval"] + 1, math.ceil(guess))
-    else:
-        candidate = min(last["interval"] - 1, math.floor(guess))
+    else:  # down by half at most: an overhead near zero is as much noise as measure
+        candidate = min(last["interval"] - 1, max(math.floor(guess), -(-last["interval"] // 2)))
     candidate = max(candidate, failed + 1, 1)
     if not searching:
         return candidate
@@ -440,6 +443,8 @@ FRESH = "fresh start, no checkpoint"
 PREFETCH = "Tiers restore on a new node, prefetch()"
 FORCED = "Tiers restore on a new node, prefetch(force=True)"
 NO_PREFETCH = "Tiers restore on a new node, no prefetch"
+#: What a prefetch that cost nothing would leave: the checkpoint already in local memory.
+SURVIVED = "LMDB restore, the node's store survived (nothing to fetch)"
 
 
 def first_steps(places: Places, econ: Economy, args: argparse.Namespace) -> dict[str, list[float]]:
@@ -448,18 +453,16 @@ def first_steps(places: Places, econ: Economy, args: argparse.Namespace) -> dict
     run_to_end(places, econ, "tiers", args, "--steps", "2", "--every", "2")  # one to restore
     local = places.shm / "local"
     kept = places.shm / "local-kept"  # the node-local copy, for the start whose node survived
-    sparse_copy(local, kept)
+    if args.search:
+        sparse_copy(local, kept)
     cases = {
         FRESH: ("none", ["--steps", "1", "--every", "0"]),
-        # What a prefetch that cost nothing would leave: the checkpoint already in local memory.
-        "LMDB restore, the node's store survived (nothing to fetch)": (
-            "lmdb",
-            ["--steps", "3", "--every", "0"],
-        ),
         PREFETCH: ("tiers", ["--steps", "3", "--every", "0"]),
-        FORCED: ("tiers", ["--steps", "3", "--every", "0", "--force-prefetch"]),
         NO_PREFETCH: ("tiers", ["--steps", "3", "--every", "0", "--no-prefetch"]),
     }
+    if args.search:  # for context: the best a prefetch can leave, and one that always copies
+        cases[SURVIVED] = ("lmdb", ["--steps", "3", "--every", "0"])
+        cases[FORCED] = ("tiers", ["--steps", "3", "--every", "0", "--force-prefetch"])
     out: dict[str, list[float]] = {c: [] for c in cases}
     for rnd in range(args.repeats):
         names = list(cases)
@@ -467,7 +470,7 @@ def first_steps(places: Places, econ: Economy, args: argparse.Namespace) -> dict
         for name in names[turn:] + names[:turn]:
             system, extra = cases[name]
             shutil.rmtree(local, ignore_errors=True)  # a new node
-            if system == "lmdb":
+            if name == SURVIVED:
                 sparse_copy(kept, local)  # ... or the same node, its store intact
             wait_quiet(args)
             ev = run_to_end(places, econ, system, args, *extra)
@@ -565,9 +568,12 @@ def with_failures(
         proc.terminate()
         proc.wait()
         log.close()
-    else:
-        finish(proc, log, f"{econ.name} {system} with failures")
-    ended = time.time()
+        ended, last_step = time.time(), 0
+    else:  # the job is stopped once it is back from the last kill: all there is to measure
+        ended, last_step = back_from(proc, events, len(kills), reached[-1], econ, system)
+        proc.terminate()
+        proc.wait()
+        log.close()
     ev = events_of(events)
     failures = []
     for attempt, killed in enumerate(kills):
@@ -606,11 +612,30 @@ def with_failures(
         "interval": interval,
         "mode": mode,
         "seconds": ended - launched,
+        "last_step": last_step,
         "failures": failures,
         "blocking_median": statistics.median(saves) if saves else 0.0,
         "blocking_max": max(saves, default=0.0),
         **copy_lag(ev),
     }
+
+
+def back_from(
+    proc: subprocess.Popen, events: Path, attempt: int, step: int, econ: Economy, system: str
+) -> tuple[float, int]:
+    """Wait until ``attempt`` has trained past ``step`` (where the kill before it found the
+    job); the time it got there and the step."""
+    while True:
+        back = [
+            e
+            for e in events_of(events)
+            if e["event"] == "loss" and e["attempt"] == attempt and e["step"] >= step
+        ]
+        if back:
+            return back[0]["t"], back[0]["step"]
+        if proc.poll() is not None:
+            raise SystemExit(f"[{econ.name}] {system}: the job ended before it was back")
+        time.sleep(0.05)
 
 
 def copy_lag(ev: list[dict[str, Any]]) -> dict[str, Any]:
@@ -945,7 +970,8 @@ def failures(
         print(f"[{econ.name}] {system}: kills at {args.kills} s, {args.steps} steps", flush=True)
         r = with_failures(places, econ, system, interval, mode, args, gap)
         r |= {"kills": args.kills, "steps": args.steps}
-        r["failure_free_seconds"] = fresh + (args.steps - 1) * per_step
+        # over the steps the run trained before it was stopped, back from its last kill
+        r["failure_free_seconds"] = fresh + ((r["last_step"] or args.steps) - 1) * per_step
         return r
 
     if "relaunch_alone" not in results:  # else: the run --resume continues
