@@ -502,10 +502,9 @@ class Bench:
         with glibc's default memcpy and with its non-temporal threshold at the 4 MiB part size
         (``GLIBC_TUNABLES``, read at a process's start), the two kinds of process taking turns.
 
-        Below the threshold (192 MiB on this VM: three quarters of the 256 MiB of shared
-        cache the VM reports), memcpy's stores read every destination line into the cache
-        before writing it: three passes over memory per byte copied, where a non-temporal
-        store makes two."""
+        Below the threshold (three quarters of the shared cache the CPU reports), memcpy's
+        stores read every destination line into the cache before writing it: three passes
+        over memory per byte copied, where a non-temporal store makes two."""
         runs = max(1, self.reps // 3)  # (3 at --repeats 9)
         gap = 1.0 if self.size >= 256 * MIB else 0.0  # (none in a smoke run)
         cases = {"default": {}, "nt": {"GLIBC_TUNABLES": STORE_MODE_TUNABLE}}

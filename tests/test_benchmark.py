@@ -48,6 +48,8 @@ def test_benchmark_smoke_run(tmp_path) -> None:
         "async_block_kv_lmdb",
         "async_block_kv_lmdb_cached",
         "async_block_dcp_fs_shm_cached",
+        "store_mode_default_later",
+        "store_mode_nt_raw_put",
     ):
         assert data[case]["gbps"] > 0, case
     assert {r["metric"] for r in data["ratios"]} >= {

@@ -64,7 +64,14 @@ _DELETE_BATCH = 10_000
 
 class LMDBEngine(Engine):
     """``lmdb:///abs/dir[?prefix=NAME&map_size=1GiB&sync=1&writemap=1&part_bytes=4MiB
-    &txn_bytes=1GiB]``"""
+    &txn_bytes=1GiB]``
+
+    A save into a warm store is one ``memcpy`` per part, inside LMDB. glibc copies a part
+    below its non-temporal threshold (three quarters of the CPU's shared cache) by reading each
+    destination line into the cache before overwriting it; a job whose environment sets
+    ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x400000`` (4 MiB, the default part)
+    has those copies skip that read (docs/PERFORMANCE.md measures both).
+    """
 
     shared = False
     zero_copy_reads = True
