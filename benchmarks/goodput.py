@@ -44,7 +44,8 @@ set up for this host), so the systems differ only in where the bytes go. Per eco
 3. **Failures.** Each system trains at its interval while a rank is SIGKILLed three times,
    spaced by the system's interval plus the slowest time to first step (``--kills`` gives
    seconds after launch for every system instead); a kill waits until the job is back from
-   the one before; torchrun restarts the job. A run that never checkpoints is killed the same
+   the one before and has committed a save newer than the checkpoint it restored; torchrun
+   restarts the job. A run that never checkpoints is killed the same
    way, for the relaunch that no checkpointing system can avoid. A run stops once it is back
    from its third kill: all there is to measure. Per failure: *lost* = kill
    -> the job is back at the step it had reached, split into relaunch (kill -> the restore
@@ -521,13 +522,12 @@ def with_failures(
     interval: int,
     mode: str,
     args: argparse.Namespace,
-    gap: float = 0.0,
 ) -> dict[str, Any]:
     """Train at ``interval`` and SIGKILL rank 0 at each of ``args.kills`` (seconds after
-    launch); a kill waits until the job is back at the step the previous kill interrupted, and
-    then ``gap`` seconds more (time for a save to commit, so that no kill finds the job with
-    nothing newer than its last restore). ``system`` "none" never checkpoints: its failures
-    measure relaunch alone."""
+    launch); a kill waits until the job is back at the step the previous kill interrupted and
+    has committed a save newer than the checkpoint it restored (into its first store), so that
+    every kill after the first measures a restore of a checkpoint this run wrote since the
+    last. ``system`` "none" never checkpoints: its failures measure relaunch alone."""
     places.clear()
     wait_quiet(args)
     extra = ["--steps", str(args.steps), "--staging", mode]
@@ -538,7 +538,8 @@ def with_failures(
     proc, events, log = launch(places, econ, system, args, *extra)
     kills: list[float] = []
     reached: list[int] = []
-    back_at = launched
+    # the event a committed save reports: a plain dcp.save has returned, an async one uploaded
+    committed = "save" if mode == "sync" else "uploaded"
     for attempt, at in enumerate(args.kills):
         while True:  # the running attempt, back where the previous kill found it
             ev = events_of(events)
@@ -546,11 +547,14 @@ def with_failures(
             if system == "none":  # a step into each attempt: relaunch is all it measures
                 due = any(e["event"] == "loss" and e["attempt"] == attempt for e in ev)
             else:
-                steps = [e["step"] for e in ev if e["event"] == "loss" and e["attempt"] == attempt]
+                mine = [e for e in ev if e["attempt"] == attempt]
+                steps = [e["step"] for e in mine if e["event"] == "loss"]
                 back = not reached or max(steps, default=-1) >= reached[-1]
-                if not back:
-                    back_at = time.time()
-                due = back and time.time() >= max(launched + at, back_at + gap)
+                restored = [e["step"] for e in mine if e["event"] == "ready"]
+                newer = bool(restored) and any(
+                    e["event"] == committed and e["step"] > restored[0] for e in mine
+                )
+                due = back and newer and time.time() >= launched + at
             if starts and due and alive(starts[-1]["pid"]):
                 break
             if proc.poll() is not None:
@@ -661,12 +665,13 @@ def schedule(
 ) -> tuple[list[float], int]:
     """Three kills of a system saving every ``interval`` steps, spaced by an interval's worth
     of steps plus the slowest time to first step (relaunch and restore) and a margin; and
-    enough steps that the job is still training after the third. Each kill also waits until
-    the job is back from the one before (``with_failures``)."""
+    steps enough that the job is still training after the third, however long the kills
+    wait (a run stops once it is back from the third). Each kill also waits until the job is
+    back from the one before and has committed a newer save (``with_failures``)."""
     slowest = max(max(v) for v in firsts.values())
     spacing = math.ceil(interval * step + max(8.0, slowest + 3.0))
     kills = [float(spacing * i) for i in (1, 2, 3)]
-    return kills, max(args.steps, math.ceil(3.3 * spacing / step))
+    return kills, max(args.steps, math.ceil(10 * spacing / step))
 
 
 def busy_fraction(seconds: float = 1.0) -> float:
@@ -960,7 +965,7 @@ def failures(
     fresh = statistics.median(results.get("first_step", {}).get(FRESH) or [0.0])
     per_step = statistics.median(_NONE_STEPS.get(econ.name, [0, []])[1] or [0.0]) or step
 
-    def run(system: str, interval: int, mode: str, gap: float = 0.0) -> dict[str, Any]:
+    def run(system: str, interval: int, mode: str) -> dict[str, Any]:
         args.steps = given[1]  # each system's schedule from the given minimum, not the last's
         if given[0] == "auto":
             args.kills, args.steps = schedule(args, interval, step, results["first_step"])
@@ -968,7 +973,7 @@ def failures(
             args.kills = given[0]
             args.steps = max(given[1], math.ceil((max(args.kills) + 10) * 1.5 / step))
         print(f"[{econ.name}] {system}: kills at {args.kills} s, {args.steps} steps", flush=True)
-        r = with_failures(places, econ, system, interval, mode, args, gap)
+        r = with_failures(places, econ, system, interval, mode, args)
         r |= {"kills": args.kills, "steps": args.steps}
         # over the steps the run trained before it was stopped, back from its last kill
         r["failure_free_seconds"] = fresh + ((r["last_step"] or args.steps) - 1) * per_step
@@ -979,10 +984,7 @@ def failures(
     results.setdefault("failures", {})
     for system in args.systems:
         chosen = cal[system]
-        # after a kill is back: time for a save to commit, so that no kill finds the job with
-        # nothing newer than its last restore
-        gap = chosen["interval"] * step + chosen.get("in_flight_seconds", 0)
-        results["failures"][system] = run(system, chosen["interval"], chosen["mode"], gap)
+        results["failures"][system] = run(system, chosen["interval"], chosen["mode"])
         print(f"[{econ.name}] {system}: {results['failures'][system]}", flush=True)
         # what is measured so far, should the run be cut short
         Path(args.out).mkdir(parents=True, exist_ok=True)
