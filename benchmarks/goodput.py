@@ -45,9 +45,9 @@ set up for this host), so the systems differ only in where the bytes go. Per eco
    spaced by the system's interval plus the slowest time to first step (``--kills`` gives
    seconds after launch for every system instead); a kill waits until the job is back from
    the one before and has committed a save newer than the checkpoint it restored; torchrun
-   restarts the job. A run that never checkpoints is killed the same
-   way, for the relaunch that no checkpointing system can avoid. A run stops once it is back
-   from its third kill: all there is to measure. Per failure: *lost* = kill
+   restarts the job. A run that never checkpoints is killed the same way, for the relaunch
+   that no checkpointing system can avoid. A run stops once it is back from its third kill:
+   all there is to measure. Per failure: *lost* = kill
    -> the job is back at the step it had reached, split into relaunch (kill -> the restore
    starts), restore and recompute; for ``Tiers`` less the time the restarted job takes to
    delete the node-local store, which stands in for a new node (that has nothing to delete).
