@@ -60,7 +60,7 @@ set up for this host), so the systems differ only in where the bytes go. Per eco
    never-checkpointing job's measured start-up plus its measured time per step, over the same
    steps) / this run's time, from launch until it is back from its third kill.
 
-    python benchmarks/goodput.py --out docs/benchmark          # both economies, ~30 min
+    python benchmarks/goodput.py --out docs/benchmark          # both economies, 30-40 min
     python benchmarks/goodput.py --economy cuda --out docs/benchmark/h100   # on a GPU machine
 
 Check ``/proc/loadavg`` first: the machine must be otherwise idle.
