@@ -44,7 +44,8 @@ set up for this host), so the systems differ only in where the bytes go. Per eco
 3. **Failures.** Each system trains at its interval while a rank is SIGKILLed three times,
    spaced by the system's interval plus the slowest time to first step (``--kills`` gives
    seconds after launch for every system instead); a kill waits until the job is back from
-   the one before and has committed a save newer than the checkpoint it restored; torchrun
+   the one before and has committed a save newer than the checkpoint it restored (for
+   ``tiers``, in the shared tier a replaced node restores from); torchrun
    restarts the job. A run that never checkpoints is killed the same way, for the relaunch
    that no checkpointing system can avoid. A run stops once it is back from its third kill:
    all there is to measure. Per failure: *lost* = kill
@@ -525,9 +526,11 @@ def with_failures(
 ) -> dict[str, Any]:
     """Train at ``interval`` and SIGKILL rank 0 at each of ``args.kills`` (seconds after
     launch); a kill waits until the job is back at the step the previous kill interrupted and
-    has committed a save newer than the checkpoint it restored (into its first store), so that
-    every kill after the first measures a restore of a checkpoint this run wrote since the
-    last. ``system`` "none" never checkpoints: its failures measure relaunch alone."""
+    has committed a save newer than the checkpoint it restored, into the store the restart
+    restores from (for ``tiers``, whose node is replaced, the shared tier), so that every kill
+    measures a restore of a checkpoint this run wrote since the last; the expected loss counts
+    the copy lag of a replaced node apart. ``system`` "none" never checkpoints: its failures
+    measure relaunch alone."""
     places.clear()
     wait_quiet(args)
     extra = ["--steps", str(args.steps), "--staging", mode]
@@ -538,8 +541,9 @@ def with_failures(
     proc, events, log = launch(places, econ, system, args, *extra)
     kills: list[float] = []
     reached: list[int] = []
-    # the event a committed save reports: a plain dcp.save has returned, an async one uploaded
-    committed = "save" if mode == "sync" else "uploaded"
+    # the event a committed save reports: a plain dcp.save has returned, an async one uploaded;
+    # for Tiers on a replaced node, the copy into the shared tier it restores from
+    committed = "copied" if system == "tiers" else "save" if mode == "sync" else "uploaded"
     for attempt, at in enumerate(args.kills):
         while True:  # the running attempt, back where the previous kill found it
             ev = events_of(events)
