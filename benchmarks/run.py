@@ -243,9 +243,6 @@ def tensor_parts(sd: dict[str, torch.Tensor], part: int) -> list[tuple[bytes, me
     return items
 
 
-STORE_MODE_TUNABLE = "glibc.cpu.x86_non_temporal_threshold=0x400000"
-
-
 def new_store_save_times(
     sd: dict[str, torch.Tensor], path: Path, gap: float, ids: Any
 ) -> list[float]:
@@ -297,14 +294,14 @@ def raw_lmdb_put_steady(
     return times
 
 
-def store_mode_child(scratch: Path, size_mib: int, repeats: int, gap: float) -> None:
+def store_mode_child(scratch: Path, size_mib: int, repeats: int, gap: float, part: int) -> None:
     """``Bench.store_mode``'s child: print the new-store saves 2-10 (``gap`` seconds apart) and
     LMDB's own steady put as one JSON line."""
     sd = make_state_dict(size_mib * MIB)
     base = Path(tempfile.mkdtemp(prefix="store-mode-", dir=scratch))
     ids = (f"c{i}" for i in range(10**9))
     later = new_store_save_times(sd, base / "kv", gap, ids)[1:]
-    raw = raw_lmdb_put_steady(sd, base / "raw", 4 * MIB, max(repeats, 5))
+    raw = raw_lmdb_put_steady(sd, base / "raw", part, max(repeats, 5))
     shutil.rmtree(base, ignore_errors=True)
     print(json.dumps({"later": later, "raw_put": raw}))
 
@@ -393,8 +390,9 @@ class Bench:
         cases: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]],
         size: int | None = None,
         after: Callable[[], Any] | None = None,
+        repeats: int | None = None,
     ) -> None:
-        for name, times in take_turns(cases, self.reps, after).items():
+        for name, times in take_turns(cases, repeats or self.reps, after).items():
             self.record(name, times, size)
 
     def kv_save(self, url: str | Any, **options: Any) -> Callable[[], Any]:
@@ -507,7 +505,9 @@ class Bench:
         over memory per byte copied, where a non-temporal store makes two."""
         runs = max(1, self.reps // 3)  # (3 at --repeats 9)
         gap = 1.0 if self.size >= 256 * MIB else 0.0  # (none in a smoke run)
-        cases = {"default": {}, "nt": {"GLIBC_TUNABLES": STORE_MODE_TUNABLE}}
+        part = int(kvckpt.open_store(self.steady).max_value_bytes)
+        nt = f"glibc.cpu.x86_non_temporal_threshold={part:#x}"  # a whole part goes non-temporal
+        cases = {"default": {}, "nt": {"GLIBC_TUNABLES": nt}}
         found: dict[str, list[dict[str, list[float]]]] = {name: [] for name in cases}
         for r in range(runs):
             for name in list(cases)[r % 2 :] + list(cases)[: r % 2]:
@@ -524,6 +524,8 @@ class Bench:
                         str(self.reps),
                         "--store-mode-gap",
                         str(gap),
+                        "--store-mode-part",
+                        str(part),
                     ],
                     env={**os.environ, **cases[name]},
                     capture_output=True,
@@ -596,12 +598,13 @@ class Bench:
         second): the checksum cost is a difference of a few milliseconds, which the other
         saves' fresh memory, taking turns in the same rounds, would drown. The cost is the
         median of the rounds' ratios, each of two saves made one after the other."""
-        cases: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]] = {
-            "kv_lmdb_save_steady_sum": (self.steady_save(self.steady), None),
-            "kv_lmdb_save_steady_nosum": (self.steady_save(self.steady, checksums=False), None),
-        }
-        for name, times in take_turns(cases, 3 * self.reps).items():
-            self.record(name, times)
+        self.record_turns(
+            {
+                "kv_lmdb_save_steady_sum": (self.steady_save(self.steady), None),
+                "kv_lmdb_save_steady_nosum": (self.steady_save(self.steady, checksums=False), None),
+            },
+            repeats=3 * self.reps,
+        )
 
     def steady_save(self, url: str, **options: Any) -> Callable[[], Any]:
         """A save of a new checkpoint with keep_last=1, as a training job saves."""
@@ -1185,10 +1188,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--store-mode-child", help=argparse.SUPPRESS)
     parser.add_argument("--store-mode-gap", type=float, default=1.0, help=argparse.SUPPRESS)
+    parser.add_argument("--store-mode-part", type=int, default=4 * MIB, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.store_mode_child:
         store_mode_child(
-            Path(args.store_mode_child), args.size_mib, args.repeats, args.store_mode_gap
+            Path(args.store_mode_child),
+            args.size_mib,
+            args.repeats,
+            args.store_mode_gap,
+            args.store_mode_part,
         )
         return 0
     results = run(args)
