@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -300,3 +301,73 @@ def test_tiers_get_the_local_tier_ready(shm_dir: Path, redis_url: str) -> None:
         assert shared.populated >= 2 * 16 * MIB
     finally:
         tiers.close()
+
+
+def test_a_remap_does_not_wait_for_a_reader_that_keeps_reading(shm_dir: Path) -> None:
+    """A background copy reads batch after batch, each in a short read transaction. A remap
+    waits for the transaction in progress, not for the copy: while it waits, no new read
+    begins."""
+    engine = LMDBEngine(str(shm_dir / "store"))
+    engine.put_many([("k", b"v" * 1000)])
+    shared = engine._env
+    stop, reading = threading.Event(), threading.Event()
+
+    def copy() -> None:
+        deadline = time.monotonic() + 60
+        while not stop.is_set() and time.monotonic() < deadline:
+            with shared.reading():
+                reading.set()
+                time.sleep(0.01)
+
+    copier = threading.Thread(target=copy)
+    copier.start()
+    try:
+        assert reading.wait(10)
+        shared.set_mapsize(shared.env.info()["map_size"] * 2)
+        assert copier.is_alive()  # the remap came in between the reads
+    finally:
+        stop.set()
+        copier.join(70)
+    assert engine.get("k") == b"v" * 1000
+    engine.close()
+
+
+def test_a_thread_holding_a_read_can_read_again_while_a_remap_waits(shm_dir: Path) -> None:
+    engine = LMDBEngine(str(shm_dir / "store"))
+    engine.put_many([("k", b"v" * 1000)])
+    shared = engine._env
+    remapped = threading.Event()
+
+    def remap() -> None:
+        shared.set_mapsize(shared.env.info()["map_size"] * 2)
+        remapped.set()
+
+    with shared.reading():
+        remapper = threading.Thread(target=remap)
+        remapper.start()
+        deadline = time.monotonic() + 10
+        while shared._remaps == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert shared._remaps == 1 and not remapped.is_set()
+        with shared.reading():  # nested: not held off by the waiting remap
+            pass
+    remapper.join(10)
+    assert remapped.is_set()
+    assert engine.get("k") == b"v" * 1000
+    engine.close()
+
+
+def test_the_map_keeps_room_for_the_file_to_grow(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """get_ready's first estimate can be low (plain tensors count as replicated over the
+    ranks); the first save's real size then sizes the map with room for LMDB to extend the
+    file where freed runs are too short, so that no remap comes in the steady state."""
+    monkeypatch.setattr(LMDBEngine, "_populate_upto", lambda *a: None)  # sizes only
+    engine = LMDBEngine(str(shm_dir / "store"))
+    engine.put_many([("k", b"v" * 1000)])
+    engine.get_ready(384 * MIB, 3)  # the estimate before the first save: half the real size
+    engine.get_ready(768 * MIB, 3)  # after it: three saves and slack, 2.4 GiB
+    target = 3 * 768 * MIB + 768 * MIB // 8 + 64 * MIB
+    assert engine._env.env.info()["map_size"] * 2 >= 3 * target
+    engine.close()

@@ -70,6 +70,12 @@ class _SharedEnv:
         self._readers = 0
         self._populating = 0
         self._cond = threading.Condition()
+        #: Remaps waiting for the readers to finish. While one waits, no new read transaction
+        #: begins (except on a thread that already holds one), so a reader that takes one
+        #: short transaction after another (a background copy, batch by batch) cannot keep a
+        #: save's remap waiting for the whole copy.
+        self._remaps = 0
+        self._depth = threading.local()  # this thread's read transactions held
         #: The first ``populated`` bytes of the file are mapped in this process's page tables
         #: (``MADV_POPULATE_WRITE``): writes there fault nothing. A remap resets it to 0.
         self.populated = 0
@@ -79,11 +85,16 @@ class _SharedEnv:
 
     @contextmanager
     def reading(self) -> Iterator[None]:
+        depth = getattr(self._depth, "n", 0)
         with self._cond:
+            if not depth:
+                self._cond.wait_for(lambda: not self._remaps)
             self._readers += 1
+        self._depth.n = depth + 1
         try:
             yield
         finally:
+            self._depth.n = depth
             with self._cond:
                 self._readers -= 1
                 self._cond.notify_all()
@@ -128,8 +139,13 @@ class _SharedEnv:
     def set_mapsize(self, size: int) -> None:
         with self._cond:
             self.generation += 1  # a background fault-in stops after its current piece
-            self._cond.wait_for(lambda: self._readers == 0 and self._populating == 0)
-            self.env.set_mapsize(self._not_below_the_file(size))
+            self._remaps += 1  # and no new reader begins meanwhile
+            try:
+                self._cond.wait_for(lambda: self._readers == 0 and self._populating == 0)
+                self.env.set_mapsize(self._not_below_the_file(size))
+            finally:
+                self._remaps -= 1
+                self._cond.notify_all()
             # A remap is a new mapping: none of its pages are in the page tables yet.
             self.populated = 0
 

@@ -223,7 +223,11 @@ class LMDBEngine(Engine):
         After the first save, the map is sized for every save the store will hold
         (``copies * nbytes``, times the ranks of this node) in one step, so later saves never
         remap (a remap drops every page from the process's page tables: a save after it took
-        3x its steady time re-faulting pages that were already there). Then the pages up to
+        3x its steady time re-faulting pages that were already there). The map keeps room for
+        the file to grow by half again: where freed pages come in runs too short for a value,
+        LMDB extends the file instead, and a remap in the steady state would also wait for a
+        background copy's read transaction. The map is address space, not memory: the file
+        stays sparse. Then the pages up to
         that size, plus some room for LMDB to grow into when it cannot find a long enough run
         of freed pages, are mapped in with ``MADV_POPULATE_WRITE``, 256 MiB at a time; pages
         already mapped cost nothing. Only on a tmpfs with room to spare (where a new page costs
@@ -240,7 +244,7 @@ class LMDBEngine(Engine):
                 target = end + max(0, node - free) + slack
             else:
                 target = max(copies * node, end) + slack
-            if target > map_size:
+            if 3 * target > 2 * map_size:
                 # One step, with room: each remap costs every later save its page mappings.
                 shared.set_mapsize(-(-2 * target // _GIB) * _GIB)
             target = _page_up(min(target, shared.env.info()["map_size"]))
