@@ -44,8 +44,9 @@ set up for this host), so the systems differ only in where the bytes go. Per eco
 3. **Failures.** Each system trains at its interval while a rank is SIGKILLed three times,
    spaced by the system's interval plus the slowest time to first step (``--kills`` gives
    seconds after launch for every system instead); a kill waits until the job is back from
-   the one before and has committed a save newer than the checkpoint it restored (for
-   ``tiers``, in the shared tier a replaced node restores from); torchrun
+   the one before and in its steady state: since it (re)started it has committed
+   ``--keep-last`` + 2 saves (for ``tiers``, in the shared tier a replaced node restores
+   from), the newest one newer than the checkpoint it restored; torchrun
    restarts the job. A run that never checkpoints is killed the same way, for the relaunch
    that no checkpointing system can avoid. A run stops once it is back from its third kill:
    all there is to measure. Per failure: *lost* = kill
@@ -61,7 +62,7 @@ set up for this host), so the systems differ only in where the bytes go. Per eco
    never-checkpointing job's measured start-up plus its measured time per step, over the same
    steps) / this run's time, from launch until it is back from its third kill.
 
-    python benchmarks/goodput.py --out docs/benchmark          # both economies, 30-40 min
+    python benchmarks/goodput.py --out docs/benchmark          # both economies, 25-30 min
     python benchmarks/goodput.py --economy cuda --out docs/benchmark/h100   # on a GPU machine
 
 Check ``/proc/loadavg`` first: the machine must be otherwise idle.
@@ -81,6 +82,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -348,10 +350,14 @@ def verify(
     shows that. An interval measured above the limit on the last try is raised in proportion
     (not measured again; the report says so).
 
-    The ``--calibrate-warmup`` saves that pay for fresh memory come first,
-    ``--calibrate-every`` steps apart when they fit before the first save at the interval
-    (``--also-save-at``); so a long interval is measured from its first save, not after two
-    intervals of warm-up."""
+    The ``--calibrate-warmup`` saves that pay for fresh memory come first, ``--calibrate-every``
+    steps apart as in the estimate (``--also-save-at``), and the saves at the interval start
+    after them (``--every-from``): the check measures the steady state a long job is in, from
+    the interval's first save, whatever the interval. For ``tiers`` the window starts later,
+    at the first save at the interval after the shared tier has committed ``--keep-last`` + 1
+    copies (``steady_start``): until then each copy there also pays for fresh memory, once
+    per server, which a long job's shared tier has long paid. What the warm-up costs after a
+    restart (a replaced node's new store) is in the failure runs."""
     warm = args.calibrate_warmup
     for system in args.systems:
         chosen = calibration[system]
@@ -359,17 +365,19 @@ def verify(
         tries: list[dict[str, Any]] = []
         while interval is not None and (len(tries) < args.verify_tries or _well_under(tries, args)):
             saves = max(args.verify_saves, math.ceil(args.verify_steps / interval))
-            early = [args.calibrate_every * k for k in range(1, warm + 1)]
-            if early and early[-1] + args.calibrate_every <= interval:
-                start, also = interval, ",".join(map(str, early))  # warm-up saves first
-            else:
-                start, also = interval * (warm + 1), ""
-            end = start + interval * saves
+            early = [args.calibrate_every * k for k in range(1, warm + 1)]  # warm-up saves
+            after = early[-1] + args.calibrate_every if early else 0
+            start = interval * max(1, math.ceil(after / interval))  # the interval's first save
+            last = start + interval * saves + (SETTLE_STEPS if system == "tiers" else 0)
             places.clear()
             wait_quiet(args)
-            how = ["--every", str(interval), "--staging", chosen["mode"]]
-            how += ["--also-save-at", also] if also else []
-            t = step_times(run_to_end(places, econ, system, args, "--steps", str(end), *how))
+            how = ["--every", str(interval), "--every-from", str(start)]
+            how += ["--staging", chosen["mode"], "--also-save-at", ",".join(map(str, early))]
+            ev = run_to_end(places, econ, system, args, "--steps", str(last), *how)
+            t = step_times(ev)
+            if system == "tiers":
+                start = steady_start(ev, start, interval, last - interval * saves, args.keep_last)
+            end = start + interval * saves
             overhead = (t[end] - t[start]) / (end - start) / none_step(places, econ, args) - 1
             tries.append({"interval": interval, "steps": [start, end], "overhead": overhead})
             print(f"[{econ.name}] verify {system} every {interval}: {overhead:.1%}", flush=True)
@@ -387,6 +395,25 @@ def verify(
         else:  # not measured at the last raise: said in the report
             chosen["interval"] = next_interval(tries, args.overhead, searching=False)
             chosen["measured_overhead"] = None
+
+
+#: Steps a ``tiers`` check runs on, for the shared tier's first copies (``steady_start``).
+SETTLE_STEPS = 10
+
+
+def steady_start(
+    ev: list[dict[str, Any]], start: int, interval: int, latest: int, keep_last: int
+) -> int:
+    """The first step at the interval, from ``start`` and at most ``latest``, after the shared
+    tier committed its ``keep_last`` + 1-th copy: the memory it holds for the kept copy and
+    the one being written is then no longer fresh."""
+    copied = sorted(e["t"] for e in ev if e["event"] == "copied")
+    if len(copied) <= keep_last:
+        return start
+    t = step_times(ev)
+    settled = min((s for s in t if t[s] >= copied[keep_last]), default=latest)
+    at = max(start, interval * math.ceil(settled / interval))
+    return at if at <= latest else max(start, interval * (latest // interval))
 
 
 def _well_under(tries: list[dict[str, Any]], args: argparse.Namespace) -> bool:
@@ -526,11 +553,12 @@ def with_failures(
 ) -> dict[str, Any]:
     """Train at ``interval`` and SIGKILL rank 0 at each of ``args.kills`` (seconds after
     launch); a kill waits until the job is back at the step the previous kill interrupted and
-    has committed a save newer than the checkpoint it restored, into the store the restart
-    restores from (for ``tiers``, whose node is replaced, the shared tier), so that every kill
-    measures a restore of a checkpoint this run wrote since the last; the expected loss counts
-    the copy lag of a replaced node apart. ``system`` "none" never checkpoints: its failures
-    measure relaunch alone."""
+    has committed ``keep_last`` + 2 saves since it (re)started, the newest one newer than the
+    checkpoint it restored, into the store the restart restores from (for ``tiers``, whose
+    node is replaced, the shared tier): every kill finds the job in its steady state, as a
+    failure hours into a job does, and measures a restore of a checkpoint this run wrote
+    since the last. The expected loss counts the copy lag of a replaced node apart.
+    ``system`` "none" never checkpoints: its failures measure relaunch alone."""
     places.clear()
     wait_quiet(args)
     extra = ["--steps", str(args.steps), "--staging", mode]
@@ -558,7 +586,13 @@ def with_failures(
                 newer = bool(restored) and any(
                     e["event"] == committed and e["step"] > restored[0] for e in mine
                 )
-                due = back and newer and time.time() >= launched + at
+                # every kill finds the job in its steady state, as a failure hours into a job
+                # does: since it (re)started, the store it restores from has committed the
+                # keep_last + 1 saves whose memory it holds (fresh memory: a new node's store,
+                # once per server a shared tier's; copies beside the restart's own work), and
+                # one more, made once that was paid
+                steady = sum(e["event"] == committed for e in mine) > args.keep_last + 1
+                due = back and newer and steady and time.time() >= launched + at
             if starts and due and alive(starts[-1]["pid"]):
                 break
             if proc.poll() is not None:
@@ -624,7 +658,7 @@ def with_failures(
         "failures": failures,
         "blocking_median": statistics.median(saves) if saves else 0.0,
         "blocking_max": max(saves, default=0.0),
-        **copy_lag(ev),
+        **copy_lag(ev, args.keep_last + 1),
     }
 
 
@@ -646,20 +680,30 @@ def back_from(
         time.sleep(0.05)
 
 
-def copy_lag(ev: list[dict[str, Any]]) -> dict[str, Any]:
+def copy_lag(ev: list[dict[str, Any]], warm_up: int = 0) -> dict[str, Any]:
     """How far behind the first tier a further tier runs: for each save that reached it (the
     "copied" events ``Tiers`` reports), seconds from the save's step to the copy's commit
     there; and how many of the saves got there (``copy="newest"`` skips saves made while a
-    copy runs). Empty for a system without further tiers."""
-    copied = [e for e in ev if e["event"] == "copied"]
-    if not copied:
+    copy runs). The lag is that of the steady state the kills find (``with_failures``): the
+    first ``warm_up`` copies of each start are left out (into a new node's store and, once
+    per server, the shared tier's fresh memory, beside the restart's own work). Empty for a
+    system without further tiers."""
+    every = [e for e in ev if e["event"] == "copied"]
+    if not every:
         return {}
+    steady: list[dict[str, Any]] = []
+    per_start: Counter[int] = Counter()
+    for e in every:
+        per_start[e["attempt"]] += 1
+        if per_start[e["attempt"]] > warm_up:
+            steady.append(e)
+    copied = steady or every
     at = {(e["attempt"], e["step"]): e["t"] for e in ev if e["event"] == "loss"}
     lags = [e["t"] - at[e["attempt"], e["step"]] for e in copied if (e["attempt"], e["step"]) in at]
     return {
         "copy_lag_median": statistics.median(lags) if lags else None,
         "copy_lag_max": max(lags, default=None),
-        "copies": len(copied),
+        "copies": len(every),
         "saves": sum(1 for e in ev if e["event"] == "save"),
     }
 

@@ -335,6 +335,12 @@ def main() -> None:
         help="comma-separated steps to checkpoint at as well (warm-up saves before --every's)",
     )
     ap.add_argument(
+        "--every-from",
+        type=int,
+        default=0,
+        help="the first step --every's saves may fall on (after --also-save-at's warm-up saves)",
+    )
+    ap.add_argument(
         "--economy",
         choices=["cpu", "accel", "cuda"],
         default="cpu",
@@ -485,7 +491,8 @@ def main() -> None:
         trainer.update(step)
         step += 1
         log(event="loss", step=step, loss=loss.item().hex(), t=time.time())
-        if (args.every and step % args.every == 0) or step in also_save_at:
+        periodic = args.every and step % args.every == 0 and step >= args.every_from
+        if periodic or step in also_save_at:
             started = time.perf_counter()
             if saving is not None:  # one save in flight at a time
                 (saving.upload_completion if staged_async(saving) else saving).result()

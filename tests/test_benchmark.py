@@ -225,6 +225,14 @@ def test_goodput_interval_search(monkeypatch) -> None:
     tries = [{"interval": 10, "overhead": 0.2}]
     assert goodput.next_interval(tries, 0.05, searching=False) == 40
 
+    # A Tiers check's window starts once the shared tier holds keep_last + 1 copies.
+    ev = [{"event": "loss", "step": s, "t": float(s)} for s in range(1, 41)]
+    ev += [{"event": "copied", "step": s, "t": t} for s, t in ((3, 13.5), (15, 23.2), (24, 26.0))]
+    assert goodput.steady_start(ev, 15, 1, 24, keep_last=1) == 24
+    assert goodput.steady_start(ev, 15, 4, 24, keep_last=1) == 24
+    assert goodput.steady_start(ev, 15, 1, 20, keep_last=1) == 20  # the window must fit
+    assert goodput.steady_start(ev, 15, 1, 24, keep_last=3) == 15  # not yet: the nominal
+
 
 def test_restore_scale_smoke_run(tmp_path) -> None:
     """benchmarks/restore_scale.py at its smallest: 2 hosts, a tiny DDP state, a plain restart
