@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import pytest
-import torch.multiprocessing as mp
 
 from kvckpt import KVStorageReader, list_checkpoints
 from tests import _dist
+from tests._spawn import spawn as spawn_ranks
 from tests.conftest import free_port
 
 
 def spawn(fn, world_size: int, *args) -> None:
-    mp.spawn(fn, args=(world_size, free_port(), *args), nprocs=world_size, join=True)
+    spawn_ranks(fn, world_size, world_size, free_port(), *args)
 
 
 def test_save_at_2_load_at_1_and_3(store_url: str) -> None:

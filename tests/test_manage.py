@@ -182,14 +182,14 @@ def test_keep_last_reaches_the_other_nodes_lmdb_stores(tmp_path) -> None:  # typ
     # Two "nodes", each with its own LMDB store: rank 0's holds the metadata; rank 1's only
     # its data. Retention on the coordinator reaches rank 1's store one save later, and gc run
     # on that store (which holds no metadata) leaves the data it still needs alone.
-    import torch.multiprocessing as mp
 
     from kvckpt.catalog import read_index
     from kvckpt.format import data_prefix
     from tests import _dist
+    from tests._spawn import spawn
     from tests.conftest import free_port
 
-    mp.spawn(_dist.two_node_lmdb_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_dist.two_node_lmdb_worker, 2, 2, free_port(), str(tmp_path))
     coordinator, other = (open_store(f"lmdb://{tmp_path}/node{r}") for r in range(2))
 
     def saves(engine) -> set[str]:  # type: ignore[no-untyped-def]

@@ -22,7 +22,6 @@ import pytest
 pytest.importorskip("megatron.core")
 
 import torch
-import torch.multiprocessing as mp
 from megatron.core import dist_checkpointing as mdc
 from megatron.core.dist_checkpointing.mapping import CheckpointingException
 from megatron.core.safe_globals import SAFE_GLOBALS
@@ -44,6 +43,7 @@ from kvckpt.testing import RedisServer, free_port
 from kvckpt.transfer import copy_checkpoint, verify
 from tests import _megatron_ranks as ranks
 from tests._errors import load_fails
+from tests._spawn import spawn as spawn_ranks
 
 # Importing megatron.core adds its own types (argparse.Namespace, numpy arrays, its enums) to
 # torch's process-wide weights_only allowlist: keep that from leaking into the other test
@@ -56,7 +56,7 @@ STORES = ["lmdb", "redis"]
 
 
 def spawn(fn, world_size: int, *args) -> None:
-    mp.spawn(fn, args=(world_size, free_port(), *args), nprocs=world_size, join=True)
+    spawn_ranks(fn, world_size, world_size, free_port(), *args)
 
 
 @pytest.fixture(scope="module")

@@ -144,9 +144,9 @@ def test_orphan_scan_spares_data_a_reader_holds(store_url: str) -> None:
 
 
 def test_ranks_that_find_different_saves_refuse_to_mix_them(store_url: str, tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
 
     from tests import _dist
+    from tests._spawn import spawn
     from tests.conftest import free_port
 
     dcp.save(
@@ -155,4 +155,4 @@ def test_ranks_that_find_different_saves_refuse_to_mix_them(store_url: str, tmp_
         checkpoint_id="race",
     )
     flag = str(tmp_path / "resaved")
-    mp.spawn(_dist.racing_load_worker, args=(2, free_port(), store_url, flag), nprocs=2, join=True)
+    spawn(_dist.racing_load_worker, 2, 2, free_port(), store_url, flag)

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 import kvckpt
@@ -20,6 +19,7 @@ from kvckpt import KVStorageReader, KVStorageWriter, Tiers, list_checkpoints, op
 from kvckpt.catalog import read_index
 from kvckpt.format import data_prefix
 from tests import _dist
+from tests._spawn import spawn
 from tests.conftest import free_port
 
 
@@ -256,12 +256,7 @@ def test_every_node_prefetched_so_every_rank_reads_its_own_node(
     its own store and serves the other node, so the shared tier serves no data."""
     saved_tiers(tmp_path, redis_url)
     locals_ = [f"lmdb://{tmp_path / f'node{r}'}" for r in range(2)]
-    mp.spawn(
-        _dist.prefetch_two_nodes_worker,
-        args=(2, free_port(), locals_, redis_url, prefetch),
-        nprocs=2,
-        join=True,
-    )
+    spawn(_dist.prefetch_two_nodes_worker, 2, 2, free_port(), locals_, redis_url, prefetch)
     for r, did in enumerate(prefetch):
         assert [i.checkpoint_id for i in list_checkpoints(locals_[r])] == (
             ["step-2"] if did else []

@@ -12,11 +12,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import torch.multiprocessing as mp
-
 from kvckpt import list_checkpoints, open_store
 from kvckpt.engines.lmdb import close_idle_environments
 from kvckpt.testing import RedisServer, free_port
+from tests._spawn import spawn
 
 from . import _hosts
 
@@ -30,12 +29,7 @@ def _state_bytes() -> int:
 
 
 def _save(root: Path, redis_url: str, world: int, per_host: int) -> None:
-    mp.spawn(
-        _hosts.save_worker,
-        args=(world, free_port(), str(root), redis_url, per_host, MIB),
-        nprocs=world,
-        join=True,
-    )
+    spawn(_hosts.save_worker, world, world, free_port(), str(root), redis_url, per_host, MIB)
     close_idle_environments()
 
 
@@ -53,11 +47,8 @@ def _restore(
 ) -> dict[str, list[dict]]:
     out = tmp / "out"
     out.mkdir(exist_ok=True)
-    mp.spawn(
-        _hosts.restore_worker,
-        args=(world, free_port(), cases, redis_url, per_host, MIB, str(out)),
-        nprocs=world,
-        join=True,
+    spawn(
+        _hosts.restore_worker, world, world, free_port(), cases, redis_url, per_host, MIB, str(out)
     )
     results = {}
     for name, _, _ in cases:

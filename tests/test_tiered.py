@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 from kvckpt import (
     DirectoryReader,
@@ -26,6 +25,7 @@ from kvckpt.catalog import read_index
 from kvckpt.format import data_prefix
 from kvckpt.testing import RedisServer
 from tests import _dist
+from tests._spawn import spawn
 from tests.conftest import free_port
 
 
@@ -174,12 +174,7 @@ def test_replica_restarted_mid_copy_never_shows_a_partial_checkpoint(
 
 def test_two_ranks_copy_their_own_data(tmp_path: Path, redis_url: str) -> None:
     local = f"lmdb://{tmp_path / 'node'}"
-    mp.spawn(
-        _dist.tiered_worker,
-        args=(2, free_port(), local, redis_url),
-        nprocs=2,
-        join=True,
-    )
+    spawn(_dist.tiered_worker, 2, 2, free_port(), local, redis_url)
     # The replica's checkpoint holds both ranks' data and loads at another world size.
     assert latest_checkpoint(redis_url) == "tiered"
     _dist.load_single_process(redis_url, "tiered")

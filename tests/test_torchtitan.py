@@ -27,13 +27,13 @@ pytest.importorskip("torchtitan")
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import kvckpt
 from kvckpt.errors import CheckpointNotFoundError
 from kvckpt.testing import RedisServer, free_port
 from kvckpt.torchtitan import KVCheckpointManager, describe
+from tests._spawn import spawn
 from tests._torchtitan_job import (
     TOTAL_STEPS,
     Job,
@@ -439,7 +439,7 @@ def test_two_ranks_resume_bit_exact(store: str, request: pytest.FixtureRequest, 
     """Two data-parallel ranks (spawned, gloo) save asynchronously and resume: each rank's
     model, optimizer, lr schedule and dataloader position come back bit-exact."""
     url = request.getfixturevalue(f"{store}_url")
-    mp.spawn(rank_main, args=(2, free_port(), url, str(tmp_path), "async"), nprocs=2, join=True)
+    spawn(rank_main, 2, 2, free_port(), url, str(tmp_path), "async")
     assert ids(url) == {"step-3", "step-6"}
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)

@@ -1,0 +1,85 @@
+"""Run rank functions in spawned processes, and never leave one behind.
+
+``torch.multiprocessing.spawn(join=True)`` waits for its ranks without a deadline. When a rank
+hangs, pytest-timeout fails the test, but the ranks (and any process they forked) live on, and
+at exit ``multiprocessing`` joins them: the whole run then hangs until CI kills it, and says
+nothing about where the ranks were stuck. ``spawn`` here waits with a deadline; on a timeout,
+or anything else that ends the wait (pytest-timeout's exception included), it has every
+process it started print its Python stacks, kills them all, and fails with their stacks in the
+test's captured output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+#: Below pytest-timeout's 300 s, so the ranks' stacks are printed before pytest gives up.
+DEADLINE_S = 240.0
+
+
+def _with_stack_dumps(rank: int, fn: Callable[..., Any], *args: Any) -> None:
+    # SIGUSR1 prints every thread's stack to stderr; a process the rank forks inherits this.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    fn(rank, *args)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``, from /proc: children first, then theirs."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, deadline_s: float = DEADLINE_S) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` spawned processes; returns once all exited cleanly."""
+    context = mp.start_processes(
+        _with_stack_dumps, args=(fn, *args), nprocs=nprocs, join=False, start_method="spawn"
+    )
+    ranks = [p.pid for p in context.processes]
+    end = time.monotonic() + deadline_s
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > end:
+                raise TimeoutError(
+                    f"{nprocs} ranks of {fn.__name__} still running after {deadline_s:.0f} s; "
+                    "their stacks are in the captured stderr above"
+                )
+    except BaseException:
+        # The ranks and whatever they forked; a forked child may outlive its rank.
+        live = [pid for rank in ranks for pid in [rank, *_descendants(rank)]]
+        for pid in live:  # one at a time, so that their stacks do not interleave
+            _signal_all([pid], signal.SIGUSR1)
+            time.sleep(0.5)
+        _signal_all(live + [p for rank in ranks for p in _descendants(rank)], signal.SIGKILL)
+        for process in context.processes:
+            process.join(timeout=5.0)
+        raise
