@@ -71,6 +71,7 @@ Check ``/proc/loadavg`` first: the machine must be otherwise idle.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -202,7 +203,16 @@ class Places:
 
 
 def events_of(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """The job's events so far. Whatever follows the last newline is a line still being
+    written, left for the next read. A line that does not parse is one a kill cut short (the
+    next attempt's first event then continues it on the same line): the cut part is dropped."""
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().split("\n")[:-1]:
+        with contextlib.suppress(json.JSONDecodeError):
+            events.append(json.loads(line[max(0, line.rfind('{"attempt"')) :]))
+    return events
 
 
 def launch(

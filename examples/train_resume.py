@@ -397,15 +397,21 @@ def main() -> None:
     # this one: they need a process group of their own, or the two interleave and hang.
     global PG
     PG = dist.new_group(backend="gloo")
-    log_file = open(args.events, "a") if args.events and rank == 0 else None  # noqa: SIM115
+    # One write() per event on an O_APPEND descriptor: a reader polling the file sees whole
+    # lines, and a SIGKILL lands between events, not inside one.
+    log_fd = (
+        os.open(args.events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if args.events and rank == 0
+        else None
+    )
 
     log_lock = threading.Lock()  # uploads end on DCP's threads
 
     def log(**event: Any) -> None:
-        if log_file is not None:
+        if log_fd is not None:
+            line = json.dumps({"attempt": attempt, **event}) + "\n"
             with log_lock:
-                log_file.write(json.dumps({"attempt": attempt, **event}) + "\n")
-                log_file.flush()
+                os.write(log_fd, line.encode())
 
     def uploaded(step: int, begun: float, _: Any) -> None:
         log(event="uploaded", step=step, seconds=time.perf_counter() - begun)
