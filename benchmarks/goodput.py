@@ -23,8 +23,9 @@ Systems:
 - kvckpt ``Tiers`` (LMDB, then Redis) with the node-local store wiped at each restart (a
   replaced node), restoring through ``Tiers.prefetch()``.
 
-Every system stages its saves with ``kvckpt.background_stager()`` (DCP's own ``DefaultStager``
-set up for this host), so the systems differ only in where the bytes go. Per economy:
+Every system saves either through ``dcp.async_save`` staged by ``kvckpt.background_stager()``
+(DCP's own ``DefaultStager`` set up for this host) or with a plain ``dcp.save``, whichever
+costs it less (below), so the systems differ only in where the bytes go and how. Per economy:
 
 1. **Interval.** A failure-free run per system and saving mode (``async_save`` with
    ``kvckpt.background_stager()``, or a plain ``dcp.save``; ``--cpu-modes`` / ``--accel-modes``),

@@ -5,7 +5,7 @@ preallocated CUDA tensors, and the blocking part of ``dcp.async_save`` (staging 
 to host memory). Medians of ``--repeats`` runs; ratios are against DCP on /dev/shm measured in
 the same run. Needs a CUDA GPU; prints a markdown table and writes ``gpu.json`` to ``--out``.
 
-    python benchmarks/gpu.py --size-mib 1024 --repeats 5 --out docs/benchmark
+    python benchmarks/gpu.py --size-mib 1024 --repeats 5 --out docs/benchmark/h100
 """
 
 from __future__ import annotations

@@ -214,7 +214,7 @@ def run_scenario(
 
 
 def ratios(scenario: dict[str, Any]) -> list[tuple[str, float, float]]:
-    """(measure, ratio, target) for the targets of issue #20, as times: baseline / kvckpt."""
+    """(measure, ratio, target) for the job's targets, as times: baseline / kvckpt."""
     s = scenario["systems"]
     return [
         ("LMDB p90 vs DCP t=2 p90", s["DCP t=2"]["p90_s"] / s["kvckpt LMDB"]["p90_s"], 1.2),

@@ -10,10 +10,10 @@ server on this machine; ``benchmarks/run.py`` compares kvckpt to the one-connect
 ``--ranks N`` measures instead what the ranks of a data-parallel job meet when they load: N
 processes, started together, each GET every value into its own buffer (one raw connection each,
 a 16 MiB window), alone and then all at once, into memory already touched and into fresh memory,
-taking turns. ``benchmarks/goodput.py``'s Redis restore (2 DDP ranks, 2.11 GiB each) is bounded
-by this:
+taking turns. ``benchmarks/goodput.py``'s Redis restore (2 ranks, 1 GiB each in its accel
+economy) is bounded by this:
 
-    python benchmarks/redis_ceiling.py --ranks 2 --size-mib 2160 --repeats 3
+    python benchmarks/redis_ceiling.py --ranks 2 --size-mib 1024 --repeats 3
 """
 
 from __future__ import annotations

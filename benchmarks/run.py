@@ -10,7 +10,7 @@ state with keep_last, load), Redis (save into an empty server and steady saves w
 load), 10,000 small tensors, dcp.async_save blocking time, and peak anonymous RSS. The 1 GiB
 saves (kvckpt's, the raw-socket SET, DCP's t=1 and t=2) take turns, as do the loads. Figures
 are medians; ratios are taken within this run.
-Writes results.json and results.png to --out.
+Writes results.json, results.md and results.png to --out.
 """
 
 from __future__ import annotations

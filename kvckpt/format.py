@@ -157,8 +157,8 @@ def item_name(fqn: str, offsets: tuple[int, ...] | None) -> str:
 
 def index_name(index: MetadataIndex) -> str:
     """``item_name`` of a DCP ``MetadataIndex`` (an object item has no offsets). Not cached:
-    computing a name costs about a microsecond, and a cache of a state dict's 100,000s of
-    names measurably slowed every later metadata decode in the same process."""
+    computing a name is cheap, and a cache of a state dict's 100,000s of names would slow
+    every later metadata decode in the same process (``benchmarks/many_items.py``)."""
     return item_name(index.fqn, index.offset)
 
 

@@ -1,5 +1,5 @@
-"""The DCP adapter, by its former single module's name: ``from kvckpt.storage import ...``
-keeps working. The writer lives in ``kvckpt.writer``, the reader in ``kvckpt.reader``."""
+"""The DCP adapter under one name: ``from kvckpt.storage import ...`` gives both halves. The
+writer lives in ``kvckpt.writer``, the reader in ``kvckpt.reader``."""
 
 from .reader import KVStorageReader, fetch_parts
 from .safe_load import SAFE_OBJECT_TYPES, check_weights_only, plain_types_allowed, refusal

@@ -121,8 +121,8 @@ def test_exit_codes_and_messages(lmdb_url: str) -> None:
 
 
 def test_read_only_commands_never_create_a_store(tmp_path) -> None:
-    """Issue #18: `kvckpt ls lmdb:///some/typo` created /some/typo with a 1 GiB data.mdb and
-    printed "no checkpoints"."""
+    """Read-only commands on a missing LMDB path (a typo) fail naming it, and create no
+    directory and no data.mdb."""
     typo = tmp_path / "some" / "typo"
     url = f"lmdb://{typo}"
     for args in (

@@ -345,9 +345,9 @@ def test_weights_only_blocks_unsafe_objects_and_opt_out_allows(store_url: str) -
 
 
 def test_bytesio_and_plain_values_load_by_default(store_url: str) -> None:
-    """Issue #18: PyTorch's DCP tests and torchtitan's older TrainState keep blobs as
-    io.BytesIO; rebuilding one (or a frozenset, a datetime) runs no code, so the safe default
-    loads them, as FileSystemReader does."""
+    """PyTorch's DCP tests and some trainers keep blobs as io.BytesIO; rebuilding one (or a
+    frozenset, a datetime) runs no code, so the safe default loads them, as FileSystemReader
+    does."""
     import datetime
     import io
 

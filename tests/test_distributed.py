@@ -40,7 +40,7 @@ def _quiet_env(monkeypatch):
 
 
 def test_no_dist_save_in_a_group_records_the_world_size_of_the_save(store_url: str) -> None:
-    """Issue #18: one rank of two saving with no_dist=True wrote world size 2."""
+    """One rank of two saving with no_dist=True records world size 1."""
     spawn(_dist.solo_save_worker, 2, store_url)
     assert KVStorageReader(store_url, checkpoint_id="solo").read_record().world_size == 1
     (info,) = list_checkpoints(store_url)

@@ -205,8 +205,8 @@ def test_keep_last_reaches_the_other_nodes_lmdb_stores(tmp_path) -> None:  # typ
 
 
 def test_read_only_operations_never_create_an_lmdb_store(tmp_path) -> None:
-    """Issue #18: `kvckpt ls lmdb:///some/typo` created the directory with a 1 GiB data.mdb and
-    said "no checkpoints". Reading a store that is not there is an error naming the path."""
+    """Reading a store that is not there (`kvckpt ls lmdb:///some/typo`) is an error naming
+    the path, and creates nothing."""
     from kvckpt import StoreNotFoundError
     from kvckpt.transfer import copy_checkpoint, export_checkpoint, torch_save_checkpoint, verify
 
@@ -242,8 +242,9 @@ def test_read_only_operations_never_create_an_lmdb_store(tmp_path) -> None:
 
 
 def test_a_wiped_lmdb_directory_is_not_read_from_the_old_mapping(tmp_path) -> None:
-    """Issue #18: after the node-local directory was removed, a new reader in the same process
-    still read the old, still-mapped environment (shared per process and path)."""
+    """Once the node-local directory is removed, a new reader in the same process fails with
+    StoreNotFoundError: it never reads the old environment, still mapped (environments are
+    shared per process and path)."""
     import shutil
 
     from kvckpt import StoreNotFoundError

@@ -1,11 +1,11 @@
-"""Megatron-Core dist_checkpointing through kvckpt (issue #8): real gloo process groups, real
-LMDB and a real redis-server.
+"""Megatron-Core dist_checkpointing through kvckpt: real gloo process groups, real LMDB and a
+real redis-server.
 
 One job at world size 2 (tensor-parallel 2) saves every kind of checkpoint to both stores
 (sync, async on a thread, async in a forked process, plain DCP with Megatron's tensor
 wrappers); jobs at world sizes 3 and 1 load them with other shardings. Everything that needs no
-process group runs in this process. Spawned ranks pay ~5 s each to import torch and Megatron,
-so the jobs are few and do a lot.
+process group runs in this process. Spawned ranks are slow to start (torch and Megatron to
+import), so the jobs are few and do a lot.
 """
 
 from __future__ import annotations
@@ -236,8 +236,8 @@ def test_a_resave_between_common_and_sharded_reads_fails_the_load(
 def test_refused_sharded_object_names_checkpoint_object_type_and_strategy_opt_out(
     urls: dict[str, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Issue #18: the refusal was cut at 300 characters mid-word (the refused type lost) and
-    advised KVStorageReader(..., weights_only=False), which a Megatron user cannot pass."""
+    """The refusal names the checkpoint, the object and the whole refused type, and advises
+    the opt-out a Megatron user can pass (the strategy's, not KVStorageReader's)."""
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 

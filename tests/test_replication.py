@@ -73,12 +73,12 @@ def test_too_few_replicas_is_a_clear_error(pair: tuple[RedisServer, RedisServer]
         dcp.save(sd(2.0), storage_writer=KVStorageWriter(url), checkpoint_id="new")
     assert time.monotonic() - started < 20
     assert "wait_timeout" in str(info.value)
-    # The server answered: the error says so, not "cannot reach Redis" (issue #18).
+    # The server answered: the error says so, not "cannot reach Redis".
     assert "cannot reach" not in str(info.value) and "redis-server running" not in str(info.value)
     # The data wait failed before the commit: "new" never existed; "old" is intact.
     assert [i.checkpoint_id for i in list_checkpoints(primary.url())] == ["old"]
     # The failed save is cleaned up at once, as other failed saves are: not listed as
-    # incomplete, no data left, its write lease released (issue #18).
+    # incomplete, no data left, its write lease released.
     assert [i.checkpoint_id for i in list_checkpoints(primary.url(), include_incomplete=True)] == [
         "old"
     ]

@@ -121,8 +121,8 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 def test_one_failed_copy_is_counted_once(tmp_path: Path, server: RedisServer) -> None:
-    """Issue #18: a copy that failed (the replica has no room) also failed its commit job,
-    and wait() reported "2 background copies failed" for one checkpoint."""
+    """A copy that fails (the replica has no room) fails its commit job too; wait() counts
+    the one checkpoint's failure once."""
     client = server.client()
     client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + (256 << 10))
     client.close()
@@ -246,8 +246,8 @@ def test_keep_last_waits_for_copies_still_in_flight(tmp_path: Path, redis_url: s
 
 
 def test_restore_is_documented() -> None:
-    """Issue #18: Restore was undocumented and the module docstring showed
-    ``step = tiers.restore(...)`` although restore returns a Restore."""
+    """Restore and its fields are documented, and the module's example uses the Restore that
+    ``tiers.restore(...)`` returns."""
     import dataclasses
 
     import kvckpt.tiered
@@ -286,8 +286,8 @@ print("done")
 
 
 def test_background_copies_and_loads_print_no_warnings(tmp_path: Path) -> None:
-    """Issue #18: background copies printed torch's "The given buffer is not writable"
-    UserWarning (once per process, so a process of its own)."""
+    """Background copies and loads print no UserWarning (torch's "The given buffer is not
+    writable" comes once per process, so this runs in a process of its own)."""
     import os
     import subprocess
     import sys
@@ -306,8 +306,8 @@ def test_background_copies_and_loads_print_no_warnings(tmp_path: Path) -> None:
 def test_a_new_tiers_does_not_restore_from_a_wiped_node_store(
     tmp_path: Path, redis_url: str
 ) -> None:
-    """Issue #18: after the node-local directory was removed, a new Tiers in the same process
-    still restored from the old, still-mapped LMDB environment."""
+    """Once the node-local directory is removed, a new Tiers in the same process never
+    restores from the old LMDB environment, still mapped."""
     import shutil
 
     node = tmp_path / "node"

@@ -1,4 +1,4 @@
-"""torchtitan 0.3 checkpointing through kvckpt (issue #21): ``KVCheckpointManager`` built the way
+"""torchtitan 0.3 checkpointing through kvckpt: ``KVCheckpointManager`` built the way
 torchtitan's ``Trainer`` builds its checkpointer (``config.checkpoint.build(...)``), driven
 through the trainer's own loop order, with torchtitan's containers (``ModelWrapper``,
 ``OptimizersContainer``, ``LRSchedulersContainer``, ``ParallelAwareDataloader``), a tiny model,

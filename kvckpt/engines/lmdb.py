@@ -222,8 +222,8 @@ class LMDBEngine(Engine):
 
         After the first save, the map is sized for every save the store will hold
         (``copies * nbytes``, times the ranks of this node) in one step, so later saves never
-        remap (a remap drops every page from the process's page tables: a save after it took
-        3x its steady time re-faulting pages that were already there). The map keeps room for
+        remap (a remap drops every page from the process's page tables, and the save after it
+        faults in again pages that were already there). The map keeps room for
         the file to grow by half again: where freed pages come in runs too short for a value,
         LMDB extends the file instead, and a remap in the steady state would also wait for a
         background copy's read transaction. The map is address space, not memory: the file

@@ -11,7 +11,8 @@ Why these choices:
   into fresh memory before the socket drains it, which more than halves load speed
   (``benchmarks/redis_ceiling.py --read-ahead-mib``) and holds that much server memory per reader.
 - A Redis server closes the connection on a value over 512 MiB (``proto-max-bulk-len``), so the
-  engine advertises ``max_value_bytes`` (64 MiB by default) and the format layer splits items.
+  engine advertises ``max_value_bytes`` (4 MiB by default, at most 512 MiB) and the format
+  layer splits items.
 - The commit is ``WATCH``/``MULTI``/``EXEC`` on keys that share a hash tag, so it stays one
   atomic transaction on Redis Cluster too.
 """
@@ -319,7 +320,7 @@ class RedisEngine(RedisSettings):
         self._redis_url = redis_url or url
         self.spare_ttl = spare_ttl
         #: A new value written over a spare's memory skips the server's allocation of fresh
-        #: pages, the slow part of a save into Redis on a VM (2x, benchmarks/job.py).
+        #: pages, the slow part of a save into Redis on a VM (benchmarks/job.py measures it).
         self.reuses_values = spare_ttl > 0
         self._client_obj: redis.Redis | None = None
         parts = split_options(self._redis_url)[0]
