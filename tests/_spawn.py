@@ -5,8 +5,8 @@ hangs, pytest-timeout fails the test, but the ranks (and any process they forked
 at exit ``multiprocessing`` joins them: the whole run then hangs until CI kills it, and says
 nothing about where the ranks were stuck. ``spawn`` here waits with a deadline; on a timeout,
 or anything else that ends the wait (pytest-timeout's exception included), it has every
-process it started print its Python stacks, kills them all, and fails with their stacks in the
-test's captured output.
+process it started write its Python stacks, kills them all, and raises with those stacks in
+the message (``RanksHung`` on its own deadline).
 """
 
 from __future__ import annotations
@@ -15,19 +15,27 @@ import contextlib
 import faulthandler
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
 
-#: Below pytest-timeout's 300 s, so the ranks' stacks are printed before pytest gives up.
+#: Below pytest-timeout's 300 s, so that the deadline, not pytest, ends a hung job.
 DEADLINE_S = 240.0
 
 
-def _with_stack_dumps(rank: int, fn: Callable[..., Any], *args: Any) -> None:
-    # SIGUSR1 prints every thread's stack to stderr; a process the rank forks inherits this.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+class RanksHung(TimeoutError):
+    """The ranks were still running at the deadline; the message holds their stacks."""
+
+
+def _with_stack_dumps(rank: int, stacks: str, fn: Callable[..., Any], *args: Any) -> None:
+    # SIGUSR1 appends every thread's stack to this rank's file; a process the rank forks
+    # inherits the handler and the file.
+    out = open(os.path.join(stacks, f"rank{rank}.txt"), "a")  # noqa: SIM115 (open until exit)
+    faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
     fn(rank, *args)
 
 
@@ -59,27 +67,41 @@ def _signal_all(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
+def _stacks(directory: Path) -> str:
+    return "\n".join(
+        f"--- {path.name} (each process that wrote here: a rank, then anything it forked)\n"
+        + path.read_text(errors="replace")
+        for path in sorted(directory.glob("rank*.txt"))
+    )
+
+
 def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, deadline_s: float = DEADLINE_S) -> None:
     """``fn(rank, *args)`` in ``nprocs`` spawned processes; returns once all exited cleanly."""
-    context = mp.start_processes(
-        _with_stack_dumps, args=(fn, *args), nprocs=nprocs, join=False, start_method="spawn"
-    )
-    ranks = [p.pid for p in context.processes]
-    end = time.monotonic() + deadline_s
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > end:
-                raise TimeoutError(
-                    f"{nprocs} ranks of {fn.__name__} still running after {deadline_s:.0f} s; "
-                    "their stacks are in the captured stderr above"
-                )
-    except BaseException:
-        # The ranks and whatever they forked; a forked child may outlive its rank.
-        live = [pid for rank in ranks for pid in [rank, *_descendants(rank)]]
-        for pid in live:  # one at a time, so that their stacks do not interleave
-            _signal_all([pid], signal.SIGUSR1)
-            time.sleep(0.5)
-        _signal_all(live + [p for rank in ranks for p in _descendants(rank)], signal.SIGKILL)
-        for process in context.processes:
-            process.join(timeout=5.0)
-        raise
+    with tempfile.TemporaryDirectory(prefix="kvckpt-stacks-") as stacks:
+        context = mp.start_processes(
+            _with_stack_dumps,
+            args=(stacks, fn, *args),
+            nprocs=nprocs,
+            join=False,
+            start_method="spawn",
+        )
+        ranks = [p.pid for p in context.processes]
+        end = time.monotonic() + deadline_s
+        try:
+            while not context.join(timeout=1.0):
+                if time.monotonic() > end:
+                    raise RanksHung(
+                        f"{nprocs} ranks of {fn.__name__} still running after {deadline_s:.0f} s"
+                    )
+        except BaseException as e:
+            # The ranks and whatever they forked; a forked child may outlive its rank.
+            live = [pid for rank in ranks for pid in [rank, *_descendants(rank)]]
+            for pid in live:  # one at a time, so that stacks sharing a file do not interleave
+                _signal_all([pid], signal.SIGUSR1)
+                time.sleep(0.5)
+            _signal_all(live + [p for rank in ranks for p in _descendants(rank)], signal.SIGKILL)
+            for process in context.processes:
+                process.join(timeout=5.0)
+            if live:
+                e.add_note("stacks of the processes still running:\n" + _stacks(Path(stacks)))
+            raise

@@ -14,6 +14,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from kvckpt.testing import RedisServer, free_port
 from kvckpt.transfer import copy_checkpoint, verify
 from tests import _megatron_ranks as ranks
 from tests._errors import load_fails
+from tests._spawn import RanksHung
 from tests._spawn import spawn as spawn_ranks
 
 # Importing megatron.core adds its own types (argparse.Namespace, numpy arrays, its enums) to
@@ -55,8 +57,8 @@ torch.serialization.add_safe_globals(_allowed)
 STORES = ["lmdb", "redis"]
 
 
-def spawn(fn, world_size: int, *args) -> None:
-    spawn_ranks(fn, world_size, world_size, free_port(), *args)
+def spawn(fn, world_size: int, *args, deadline_s: float = 240.0) -> None:
+    spawn_ranks(fn, world_size, world_size, free_port(), *args, deadline_s=deadline_s)
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +72,22 @@ def urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def saved(urls: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The checkpoint directories root, after the world-size-2 save job."""
+    """The checkpoint directories root, after the world-size-2 save job.
+
+    In full-suite runs on a fresh checkout this job hangs, rarely, and no run of it alone
+    reproduces that. A job still running after 120 s (it takes 5-15) is run once more, on
+    fresh stores, with its ranks' stacks in a warning, which the run's summary shows; a second
+    hang fails."""
     root = tmp_path_factory.mktemp("megatron-ckpt")
-    spawn(ranks.save_job, 2, urls, str(root))
+    try:
+        spawn(ranks.save_job, 2, urls, str(root), deadline_s=120.0)
+    except RanksHung as e:
+        stacks = "\n".join(getattr(e, "__notes__", []))
+        warnings.warn(f"{e}, run again on fresh stores\n{stacks}", stacklevel=1)
+        urls["lmdb"] = f"lmdb://{tmp_path_factory.mktemp('megatron-lmdb')}"
+        urls["redis"] = urls["redis"].replace("prefix=megatron", "prefix=megatron-again")
+        root = tmp_path_factory.mktemp("megatron-ckpt")
+        spawn(ranks.save_job, 2, urls, str(root), deadline_s=120.0)
     return root
 
 
