@@ -63,7 +63,7 @@ costs it less (below), so the systems differ only in where the bytes go and how.
    never-checkpointing job's measured start-up plus its measured time per step, over the same
    steps) / this run's time, from launch until it is back from its third kill.
 
-    python benchmarks/goodput.py --out docs/benchmark          # both economies, 25-30 min
+    python benchmarks/goodput.py --out docs/benchmark          # both economies, 27-38 min
     python benchmarks/goodput.py --economy cuda --out docs/benchmark/h100   # on a GPU machine
 
 Check ``/proc/loadavg`` first: the machine must be otherwise idle.
@@ -882,10 +882,11 @@ def table(results: dict[str, Any]) -> str:
             *lags,
             f"Relaunch of the job that never checkpoints (the part no system can avoid): "
             f"{base:.2f} s, median of {len(results['relaunch_alone']['failures'])}. Kills, "
-            "seconds after launch (each system's spaced by its interval plus the slowest "
-            "restart): "
+            "seconds after launch (each due an interval plus the slowest restart after the "
+            "one before, and made once the job was back and steady): "
             + "; ".join(
-                f"{NAMES.get(s, s)} {', '.join(f'{k:g}' for k in r.get('kills', []))}"
+                f"{NAMES.get(s, s)} "
+                + ", ".join(f"{f['killed_at']:.0f}" for f in r.get("failures", []))
                 for s, r in runs.items()
             )
             + ".",
