@@ -23,6 +23,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from kvckpt.testing import free_port
+
 #: Below pytest-timeout's 300 s, so that the deadline, not pytest, ends a hung job.
 DEADLINE_S = 240.0
 
@@ -75,13 +77,16 @@ def _stacks(directory: Path) -> str:
     )
 
 
-def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, deadline_s: float = DEADLINE_S) -> None:
-    """``fn(rank, *args)`` in ``nprocs`` spawned processes; returns once all exited cleanly."""
+def spawn(
+    fn: Callable[..., Any], world_size: int, *args: Any, deadline_s: float = DEADLINE_S
+) -> None:
+    """``fn(rank, world_size, port, *args)`` in ``world_size`` spawned processes, ``port`` a
+    free one for the process group's rendezvous; returns once all exited cleanly."""
     with tempfile.TemporaryDirectory(prefix="kvckpt-stacks-") as stacks:
         context = mp.start_processes(
             _with_stack_dumps,
-            args=(stacks, fn, *args),
-            nprocs=nprocs,
+            args=(stacks, fn, world_size, free_port(), *args),
+            nprocs=world_size,
             join=False,
             start_method="spawn",
         )
@@ -91,7 +96,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, deadline_s: float = D
             while not context.join(timeout=1.0):
                 if time.monotonic() > end:
                     raise RanksHung(
-                        f"{nprocs} ranks of {fn.__name__} still running after {deadline_s:.0f} s"
+                        f"{world_size} ranks of {fn.__name__} still running after "
+                        f"{deadline_s:.0f} s"
                     )
         except BaseException as e:
             # The ranks and whatever they forked; a forked child may outlive its rank.

@@ -30,7 +30,6 @@ from kvckpt.testing import RedisClusterProcesses
 from kvckpt.transfer import verify
 from tests import _dist
 from tests._spawn import spawn
-from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,9 +64,9 @@ def sd(value: float, n: int = 16) -> dict[str, torch.Tensor]:
 
 
 def test_two_ranks_save_load_at_1_and_3(url: str, cluster: RedisClusterProcesses) -> None:
-    spawn(_dist.save_worker, 2, 2, free_port(), url, "resharded")
+    spawn(_dist.save_worker, 2, url, "resharded")
     _dist.load_single_process(url, "resharded")
-    spawn(_dist.load_worker, 3, 3, free_port(), url, "resharded")
+    spawn(_dist.load_worker, 3, url, "resharded")
     # Every primary carries a share of the data keys.
     assert all(n > 0 for n in keys_per_node(cluster, data_prefix("kvckpt")))
 
@@ -269,7 +268,7 @@ def test_tls_cluster_with_client_certificates(tmp_path: Path) -> None:
     try:
         url = tls.url(part_bytes="64KiB")
         assert url.startswith("rediss+cluster://")
-        spawn(_dist.save_worker, 2, 2, free_port(), url, "tls")
+        spawn(_dist.save_worker, 2, url, "tls")
         _dist.load_single_process(url, "tls")
         assert [i.checkpoint_id for i in list_checkpoints(url)] == ["tls"]
         assert verify(url, "tls").ok

@@ -6,12 +6,7 @@ import pytest
 
 from kvckpt import KVStorageReader, list_checkpoints
 from tests import _dist
-from tests._spawn import spawn as spawn_ranks
-from tests.conftest import free_port
-
-
-def spawn(fn, world_size: int, *args) -> None:
-    spawn_ranks(fn, world_size, world_size, free_port(), *args)
+from tests._spawn import spawn
 
 
 def test_save_at_2_load_at_1_and_3(store_url: str) -> None:

@@ -147,7 +147,7 @@ def test_corrupt_index_is_reported_and_rebuilt_by_gc(store_url: str) -> None:
 
 def test_rank_local_checkpoints_are_listed_when_every_rank_committed(store_url: str) -> None:
     from tests import _dist
-    from tests.test_distributed import spawn
+    from tests._spawn import spawn
 
     spawn(_dist.rank_local_worker, 2, store_url)
     (info,) = list_checkpoints(store_url)
@@ -187,9 +187,8 @@ def test_keep_last_reaches_the_other_nodes_lmdb_stores(tmp_path) -> None:  # typ
     from kvckpt.format import data_prefix
     from tests import _dist
     from tests._spawn import spawn
-    from tests.conftest import free_port
 
-    spawn(_dist.two_node_lmdb_worker, 2, 2, free_port(), str(tmp_path))
+    spawn(_dist.two_node_lmdb_worker, 2, str(tmp_path))
     coordinator, other = (open_store(f"lmdb://{tmp_path}/node{r}") for r in range(2))
 
     def saves(engine) -> set[str]:  # type: ignore[no-untyped-def]

@@ -44,8 +44,7 @@ from kvckpt.testing import RedisServer, free_port
 from kvckpt.transfer import copy_checkpoint, verify
 from tests import _megatron_ranks as ranks
 from tests._errors import load_fails
-from tests._spawn import RanksHung
-from tests._spawn import spawn as spawn_ranks
+from tests._spawn import RanksHung, spawn
 
 # Importing megatron.core adds its own types (argparse.Namespace, numpy arrays, its enums) to
 # torch's process-wide weights_only allowlist: keep that from leaking into the other test
@@ -55,10 +54,6 @@ torch.serialization.clear_safe_globals()
 torch.serialization.add_safe_globals(_allowed)
 
 STORES = ["lmdb", "redis"]
-
-
-def spawn(fn, world_size: int, *args, deadline_s: float = 240.0) -> None:
-    spawn_ranks(fn, world_size, world_size, free_port(), *args, deadline_s=deadline_s)
 
 
 @pytest.fixture(scope="module")

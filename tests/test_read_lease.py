@@ -147,7 +147,6 @@ def test_ranks_that_find_different_saves_refuse_to_mix_them(store_url: str, tmp_
 
     from tests import _dist
     from tests._spawn import spawn
-    from tests.conftest import free_port
 
     dcp.save(
         {"t": torch.full((64,), 1.0)},
@@ -155,4 +154,4 @@ def test_ranks_that_find_different_saves_refuse_to_mix_them(store_url: str, tmp_
         checkpoint_id="race",
     )
     flag = str(tmp_path / "resaved")
-    spawn(_dist.racing_load_worker, 2, 2, free_port(), store_url, flag)
+    spawn(_dist.racing_load_worker, 2, store_url, flag)

@@ -20,7 +20,6 @@ from kvckpt.catalog import read_index
 from kvckpt.format import data_prefix
 from tests import _dist
 from tests._spawn import spawn
-from tests.conftest import free_port
 
 
 def state(value: float) -> dict[str, object]:
@@ -256,7 +255,7 @@ def test_every_node_prefetched_so_every_rank_reads_its_own_node(
     its own store and serves the other node, so the shared tier serves no data."""
     saved_tiers(tmp_path, redis_url)
     locals_ = [f"lmdb://{tmp_path / f'node{r}'}" for r in range(2)]
-    spawn(_dist.prefetch_two_nodes_worker, 2, 2, free_port(), locals_, redis_url, prefetch)
+    spawn(_dist.prefetch_two_nodes_worker, 2, locals_, redis_url, prefetch)
     for r, did in enumerate(prefetch):
         assert [i.checkpoint_id for i in list_checkpoints(locals_[r])] == (
             ["step-2"] if did else []

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvckpt import list_checkpoints, open_store
 from kvckpt.engines.lmdb import close_idle_environments
-from kvckpt.testing import RedisServer, free_port
+from kvckpt.testing import RedisServer
 from tests._spawn import spawn
 
 from . import _hosts
@@ -29,7 +29,7 @@ def _state_bytes() -> int:
 
 
 def _save(root: Path, redis_url: str, world: int, per_host: int) -> None:
-    spawn(_hosts.save_worker, world, world, free_port(), str(root), redis_url, per_host, MIB)
+    spawn(_hosts.save_worker, world, str(root), redis_url, per_host, MIB)
     close_idle_environments()
 
 
@@ -47,9 +47,7 @@ def _restore(
 ) -> dict[str, list[dict]]:
     out = tmp / "out"
     out.mkdir(exist_ok=True)
-    spawn(
-        _hosts.restore_worker, world, world, free_port(), cases, redis_url, per_host, MIB, str(out)
-    )
+    spawn(_hosts.restore_worker, world, cases, redis_url, per_host, MIB, str(out))
     results = {}
     for name, _, _ in cases:
         stats = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)]

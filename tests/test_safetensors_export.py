@@ -22,7 +22,7 @@ from kvckpt import (
 )
 from kvckpt.safetensors_export import INDEX_NAME
 from tests import _dist
-from tests.test_distributed import spawn
+from tests._spawn import spawn
 
 from ._cli import run
 

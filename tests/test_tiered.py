@@ -174,7 +174,7 @@ def test_replica_restarted_mid_copy_never_shows_a_partial_checkpoint(
 
 def test_two_ranks_copy_their_own_data(tmp_path: Path, redis_url: str) -> None:
     local = f"lmdb://{tmp_path / 'node'}"
-    spawn(_dist.tiered_worker, 2, 2, free_port(), local, redis_url)
+    spawn(_dist.tiered_worker, 2, local, redis_url)
     # The replica's checkpoint holds both ranks' data and loads at another world size.
     assert latest_checkpoint(redis_url) == "tiered"
     _dist.load_single_process(redis_url, "tiered")

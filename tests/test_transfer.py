@@ -27,8 +27,8 @@ from kvckpt.transfer import (
     verify,
 )
 from tests import _dist
+from tests._spawn import spawn
 from tests.test_dcp import assert_bit_equal, mixed_state_dict, zeros_like_sd
-from tests.test_distributed import spawn
 
 
 def test_verify_ok_then_detects_missing_and_wrong_size(store_url: str) -> None:
