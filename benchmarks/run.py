@@ -258,6 +258,7 @@ def new_store_save_times(
         times.append(time.perf_counter() - t0)
         time.sleep(gap)
     settle()
+    del writer  # (an engine still in use keeps its environment, and the removed file, mapped)
     close_idle_environments(str(path))
     shutil.rmtree(path)
     return times

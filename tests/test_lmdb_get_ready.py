@@ -167,6 +167,42 @@ def test_closing_while_faulting_in_waits_for_it(shm_dir: Path) -> None:
     assert LMDBEngine(str(shm_dir / "store"), create=False).get("k") == b"v" * 1000
 
 
+def test_a_save_that_comes_during_a_fault_in_takes_it_over(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save that needs pages the background fault-in has not reached yet stops it after its
+    current piece and maps them in itself: two fault-ins of the same pages at once contend in
+    the kernel and take several times longer than one. The fault-in goes on after the save."""
+    active, most = [0], [0]
+    lock = threading.Lock()
+    populate = lmdb_engine._populate_write
+
+    def slow_populate(*args: object, **kwargs: object) -> bool:
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        try:
+            time.sleep(0.05)  # a slow piece: the next save arrives while one is under way
+            return populate(*args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(lmdb_engine, "_populate_write", slow_populate)
+    monkeypatch.setattr(lmdb_engine, "_POPULATE_PIECE", 8 * MIB)
+    url = f"lmdb://{shm_dir}/store"
+    dcp.save(state(64, 0.0), storage_writer=KVStorageWriter(url, keep_last=2), checkpoint_id="s0")
+    shared = shared_env(shm_dir / "store")
+    assert shared.populator is not None and shared.populator.is_alive()
+    dcp.save(state(64, 1.0), storage_writer=KVStorageWriter(url, keep_last=2), checkpoint_id="s1")
+    assert most[0] == 1  # never two fault-ins at once
+    wait_populated(shared)
+    assert shared.populated >= 3 * 64 * MIB  # and the store still got ready for the third
+    out = state(64, -1.0)
+    dcp.load(out, storage_reader=KVStorageReader(url, checkpoint_id="s1"))
+    assert torch.equal(out["w"], state(64, 1.0)["w"])
+
+
 def test_no_room_to_spare_means_no_fault_in(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = LMDBEngine(str(shm_dir / "store"))
     engine.put_many([("k", b"v")])

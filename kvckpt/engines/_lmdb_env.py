@@ -149,6 +149,17 @@ class _SharedEnv:
             # A remap is a new mapping: none of its pages are in the page tables yet.
             self.populated = 0
 
+    def stop_populating(self) -> None:
+        """Stop a background fault-in (``get_ready``) after its current piece, and wait for
+        it. A save that needs pages the fault-in has not reached yet maps them in itself, with
+        every thread; two fault-ins of the same pages at once take several times longer than
+        one, as they contend for the same file's pages in the kernel."""
+        with self._cond:
+            if self._populating == 0 and (self.populator is None or not self.populator.is_alive()):
+                return
+            self.generation += 1
+            self._cond.wait_for(lambda: self._populating == 0)
+
     def close(self) -> None:
         with self._cond:
             self.generation += 1

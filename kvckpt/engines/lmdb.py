@@ -297,8 +297,14 @@ class LMDBEngine(Engine):
         length = min(nbytes + nbytes // 16 + _MIB - free, map_size - start)
         if length <= 0 or shared.populated >= start + length:
             return  # enough free pages, or get_ready mapped these in already
-        data_file = os.path.join(self.path, "data.mdb")
         big = nbytes >= _POPULATE_MIN_PIECE
+        if big:
+            # This save maps in the pages it needs now, with every thread; get_ready goes on
+            # with the rest after it.
+            shared.stop_populating()
+            if shared.populated >= start + length:
+                return
+        data_file = os.path.join(self.path, "data.mdb")
         # Mapping a few used pages too (a new store's first two) lets ``populated`` count
         # from the start of the file, so that later writes there know they fault nothing.
         begin = shared.populated if start - shared.populated <= _MIB else start
