@@ -296,15 +296,37 @@ def raw_lmdb_put_steady(
 
 
 def store_mode_child(scratch: Path, size_mib: int, repeats: int, gap: float, part: int) -> None:
-    """``Bench.store_mode``'s child: print the new-store saves 2-10 (``gap`` seconds apart) and
-    LMDB's own steady put as one JSON line."""
+    """``Bench.store_mode``'s child: print the new-store saves 2-10 (``gap`` seconds apart),
+    LMDB's own steady put, and steady kvckpt saves with checksums and without (taking turns,
+    keep_last=1, as ``Bench.lmdb_save_checksums``) as one JSON line."""
     sd = make_state_dict(size_mib * MIB)
     base = Path(tempfile.mkdtemp(prefix="store-mode-", dir=scratch))
     ids = (f"c{i}" for i in range(10**9))
     later = new_store_save_times(sd, base / "kv", gap, ids)[1:]
     raw = raw_lmdb_put_steady(sd, base / "raw", part, max(repeats, 5))
+    url = f"lmdb://{base / 'steady'}"
+
+    def save(checksums: bool) -> float:
+        writer = KVStorageWriter(url, keep_last=1, checksums=checksums)
+        gc.collect()
+        t0 = time.perf_counter()
+        dcp.save(sd, storage_writer=writer, checkpoint_id=next(ids))
+        return time.perf_counter() - t0
+
+    for _ in range(2):  # warm up: freed pages exist to be reused
+        save(True)
+    summed, plain = [], []
+    for i in range(3 * repeats):
+        if i % 2:
+            plain.append(save(False))
+            summed.append(save(True))
+        else:
+            summed.append(save(True))
+            plain.append(save(False))
+    settle()
+    close_idle_environments()
     shutil.rmtree(base, ignore_errors=True)
-    print(json.dumps({"later": later, "raw_put": raw}))
+    print(json.dumps({"later": later, "raw_put": raw, "sum": summed, "nosum": plain}))
 
 
 # -- RSS ------------------------------------------------------------------------------------------
@@ -503,7 +525,10 @@ class Bench:
 
         Below the threshold (three quarters of the shared cache the CPU reports), memcpy's
         stores read every destination line into the cache before writing it: three passes
-        over memory per byte copied, where a non-temporal store makes two."""
+        over memory per byte copied, where a non-temporal store makes two. The children also
+        time steady saves with checksums and without, taking turns: hashing a part reads it
+        once more, and what that costs depends on how much of memory's bandwidth the copy
+        leaves."""
         runs = max(1, self.reps // 3)  # (3 at --repeats 9)
         gap = 1.0 if self.size >= 256 * MIB else 0.0  # (none in a smoke run)
         part = int(kvckpt.open_store(self.steady).max_value_bytes)
@@ -535,7 +560,7 @@ class Bench:
                 )
                 found[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
         for name, children in found.items():
-            for key in ("later", "raw_put"):
+            for key in ("later", "raw_put", "sum", "nosum"):
                 times = [t for child in children for t in child[key]]
                 self.record(f"store_mode_{name}_{key}", times)
 
@@ -1078,6 +1103,21 @@ def ratios(r: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:
                     None,
                 )
             )
+            if f"store_mode_{name}_sum" in r:
+                pairs = zip(
+                    r[f"store_mode_{name}_sum"]["runs_s"],
+                    r[f"store_mode_{name}_nosum"]["runs_s"],
+                    strict=True,
+                )
+                rows.append(
+                    (
+                        f"checksum cost, LMDB save, own process, memcpy {label} "
+                        "(fraction of its time)",
+                        statistics.median(a / b for a, b in pairs) - 1,
+                        "(for comparison)",
+                        None,
+                    )
+                )
     for label, ours, threads in (
         ("LMDB save steady", "kv_lmdb_save_steady", 2),
         ("LMDB save first", "kv_lmdb_save_first", 1),
