@@ -434,7 +434,10 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
             "save", "write", checkpoint_id, self.engine.url, tier=self.tier, rank=where.rank
         )
         try:
-            self._preflight(plan)
+            planned = self._preflight(plan)
+            # Sized for every save the store will hold before this one writes: growing the
+            # map after it would drop the pages it just mapped (LMDB).
+            self.engine.get_ready(planned, self._saves_held())
             self._write(checkpoint_id, plan, planner, where, renew, sums, results)
             self.engine.sync_replicas()
             self.engine.get_ready(sum(wr.size_in_bytes for wr in results), self._saves_held())
@@ -466,8 +469,9 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
                 rank=where.rank,
             )
 
-    def _preflight(self, plan: SavePlan) -> None:
-        """Fail before writing where the store cannot take this rank's share of the save."""
+    def _preflight(self, plan: SavePlan) -> int:
+        """Fail before writing where the store cannot take this rank's share of the save;
+        returns that share's bytes."""
         planned = sum(_planned_bytes(item) for item in plan.items)
         try:
             self.engine.preflight(planned)
@@ -476,6 +480,7 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
                 raise
             # The spares retention kept are memory this save writes over, not adds to.
             self.engine.preflight(max(0, planned - spare_bytes(self.engine)))
+        return planned
 
     def _write(
         self,

@@ -92,6 +92,36 @@ def test_after_the_first_save_the_map_is_sized_once_and_later_saves_never_remap(
     assert torch.equal(out["w"], state(64, 6.0)["w"]) and torch.equal(out["b"], state(64, 6.0)["b"])
 
 
+def test_a_new_store_is_sized_before_its_first_save_writes(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The map is sized for every save the store will hold before the first save writes: a
+    remap after the write would drop the pages it just mapped, and a later save reusing them
+    would fault every one in again."""
+    steps: list[str] = []
+    put_batch = LMDBEngine._put_batch
+    monkeypatch.setattr(
+        LMDBEngine,
+        "_put_batch",
+        lambda self, *args: (steps.append("write"), put_batch(self, *args))[1],
+    )
+    monkeypatch.setattr(_SharedEnv, "set_mapsize", _record(steps, "remap", _SharedEnv.set_mapsize))
+    url = f"lmdb://{shm_dir}/store?map_size=64MiB"  # too small: the save grows it
+    dcp.save(state(64, 0.0), storage_writer=KVStorageWriter(url, keep_last=2), checkpoint_id="s0")
+    assert "write" in steps and "remap" not in steps[steps.index("write") :], steps
+    assert "remap" in steps  # (it did grow, before the write)
+    shared = shared_env(shm_dir / "store")
+    assert shared.env.info()["map_size"] >= 3 * 64 * MIB
+
+
+def _record(steps: list[str], name: str, fn: object) -> object:
+    def wrapper(*args: object, **kwargs: object) -> object:
+        steps.append(name)
+        return fn(*args, **kwargs)  # type: ignore[operator]
+
+    return wrapper
+
+
 def test_a_restarted_process_keeps_the_pages_the_store_got_ready(shm_dir: Path) -> None:
     """LMDB (writemap) truncates its data file to the map size it is opened with, and a map
     smaller than the used pages becomes just the used pages: a restart opening the store with

@@ -253,11 +253,13 @@ class Engine(ABC):
         done; the batches' own checks still run."""
 
     def get_ready(self, nbytes: int, copies: int | None) -> None:  # noqa: B027 - optional hook
-        """After a save wrote its ``nbytes`` (this rank's share): make room for the next save of
-        about that size while training runs, so that the next save does not pay for it. The
-        store will hold ``copies`` such saves at once (``keep_last + 1``), or keeps every save
-        (None). Returns at once; an engine does the work on a background thread (LMDB: sizes
-        its map once and faults in the pages the next saves will write)."""
+        """Make room for saves of about ``nbytes`` (this rank's share): called before each save
+        writes and after it, so that the next save does not pay for its room while training
+        runs. The store will hold ``copies`` such saves at once (``keep_last + 1``), or keeps
+        every save (None). Returns at once; an engine does the work on a background thread
+        (LMDB: sizes its map once for all the saves it will hold, before the first save writes,
+        since growing it after would drop the pages just written from the process's page
+        tables; then faults in the pages the next saves will write)."""
 
     def value_sizes(self, keys: Sequence[str]) -> list[int | None]:
         """Each value's size in bytes (None if missing), without transferring values where the
