@@ -220,18 +220,20 @@ class LMDBEngine(Engine):
         mapped, by doing now, on a background thread while training runs, what that save would
         otherwise do on its own path: fault pages in.
 
-        After the first save, the map is sized for every save the store will hold
-        (``copies * nbytes``, times the ranks of this node) in one step, so later saves never
-        remap (a remap drops every page from the process's page tables, and the save after it
-        faults in again pages that were already there). The map keeps room for
-        the file to grow by half again: where freed pages come in runs too short for a value,
-        LMDB extends the file instead, and a remap in the steady state would also wait for a
-        background copy's read transaction. The map is address space, not memory: the file
-        stays sparse. Then the pages up to
-        that size, plus some room for LMDB to grow into when it cannot find a long enough run
-        of freed pages, are mapped in with ``MADV_POPULATE_WRITE``, 256 MiB at a time; pages
-        already mapped cost nothing. Only on a tmpfs with room to spare (where a new page costs
-        a host allocation and zeroing); elsewhere the save's own ``_preallocate`` does it.
+        The writer calls it before each save writes and after. Before the first save writes,
+        the map is sized for every save the store will hold (``copies * nbytes``, times the
+        ranks of this node) in one step, so no save remaps (a remap drops every page from the
+        process's page tables, and the save after it faults in again pages that were already
+        there). The map keeps room for the file to grow by half again: where freed pages come
+        in runs too short for a value, LMDB extends the file instead, and a remap in the steady
+        state would also wait for a background copy's read transaction. The map is address
+        space, not memory: the file stays sparse. Then the pages up to that size, plus some
+        room for LMDB to grow into when it cannot find a long enough run of freed pages, are
+        mapped in with ``MADV_POPULATE_WRITE``, 256 MiB at a time; pages already mapped cost
+        nothing. A save that needs pages this thread has not reached yet stops it after its
+        current piece and maps them itself (``_preallocate``); the next call goes on. Only on
+        a tmpfs with room to spare (where a new page costs a host allocation and zeroing);
+        elsewhere the save's own ``_preallocate`` does it.
         """
         if not (self._options["writemap"] and self._tmpfs and _populate_ok and nbytes > 0):
             return
