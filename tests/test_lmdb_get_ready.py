@@ -99,12 +99,7 @@ def test_a_new_store_is_sized_before_its_first_save_writes(
     remap after the write would drop the pages it just mapped, and a later save reusing them
     would fault every one in again."""
     steps: list[str] = []
-    put_batch = LMDBEngine._put_batch
-    monkeypatch.setattr(
-        LMDBEngine,
-        "_put_batch",
-        lambda self, *args: (steps.append("write"), put_batch(self, *args))[1],
-    )
+    monkeypatch.setattr(LMDBEngine, "_put_batch", _record(steps, "write", LMDBEngine._put_batch))
     monkeypatch.setattr(_SharedEnv, "set_mapsize", _record(steps, "remap", _SharedEnv.set_mapsize))
     url = f"lmdb://{shm_dir}/store?map_size=64MiB"  # too small: the save grows it
     dcp.save(state(64, 0.0), storage_writer=KVStorageWriter(url, keep_last=2), checkpoint_id="s0")

@@ -394,7 +394,7 @@ def test_first_tier_gets_ready_for_the_save_being_copied(tmp_path: Path, redis_u
     tiers.engines[0].get_ready = lambda nbytes, copies: calls.append((nbytes, copies))  # type: ignore[method-assign]
     dcp.save(sd(1.0), storage_writer=tiers.writer(), checkpoint_id="step-1")
     tiers.get_ready(sd(1.0))
-    assert calls and all(copies == 4 for _, copies in calls)  # (before and after the save)
+    assert [copies for _, copies in calls] == [4, 4, 4]  # before the save writes, after, and here
     alone = Tiers([local], keep_last=2)
     assert alone.writer()._saves_held() == 3
     tiers.close()
