@@ -306,27 +306,20 @@ def store_mode_child(scratch: Path, size_mib: int, repeats: int, gap: float, par
     raw = raw_lmdb_put_steady(sd, base / "raw", part, max(repeats, 5))
     url = f"lmdb://{base / 'steady'}"
 
-    def save(checksums: bool) -> float:
-        writer = KVStorageWriter(url, keep_last=1, checksums=checksums)
-        gc.collect()
-        t0 = time.perf_counter()
-        dcp.save(sd, storage_writer=writer, checkpoint_id=next(ids))
-        return time.perf_counter() - t0
+    def save(checksums: bool) -> Callable[[], Any]:
+        return lambda: dcp.save(
+            sd,
+            storage_writer=KVStorageWriter(url, keep_last=1, checksums=checksums),
+            checkpoint_id=next(ids),
+        )
 
     for _ in range(2):  # warm up: freed pages exist to be reused
-        save(True)
-    summed, plain = [], []
-    for i in range(3 * repeats):
-        if i % 2:
-            plain.append(save(False))
-            summed.append(save(True))
-        else:
-            summed.append(save(True))
-            plain.append(save(False))
+        save(True)()
+    pair = take_turns({"sum": (save(True), None), "nosum": (save(False), None)}, 3 * repeats)
     settle()
     close_idle_environments()
     shutil.rmtree(base, ignore_errors=True)
-    print(json.dumps({"later": later, "raw_put": raw, "sum": summed, "nosum": plain}))
+    print(json.dumps({"later": later, "raw_put": raw, **pair}))
 
 
 # -- RSS ------------------------------------------------------------------------------------------
