@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -295,6 +295,15 @@ def raw_lmdb_put_steady(
     return times
 
 
+def steady_save(
+    sd: dict[str, torch.Tensor], url: str, ids: Iterator[str], **options: Any
+) -> Callable[[], Any]:
+    """A save of a new checkpoint with keep_last=1, as a training job saves."""
+    return lambda: dcp.save(
+        sd, storage_writer=KVStorageWriter(url, keep_last=1, **options), checkpoint_id=next(ids)
+    )
+
+
 def store_mode_child(scratch: Path, size_mib: int, repeats: int, gap: float, part: int) -> None:
     """``Bench.store_mode``'s child: print the new-store saves 2-10 (``gap`` seconds apart),
     LMDB's own steady put, and steady kvckpt saves with checksums and without (taking turns,
@@ -305,17 +314,10 @@ def store_mode_child(scratch: Path, size_mib: int, repeats: int, gap: float, par
     later = new_store_save_times(sd, base / "kv", gap, ids)[1:]
     raw = raw_lmdb_put_steady(sd, base / "raw", part, max(repeats, 5))
     url = f"lmdb://{base / 'steady'}"
-
-    def save(checksums: bool) -> Callable[[], Any]:
-        return lambda: dcp.save(
-            sd,
-            storage_writer=KVStorageWriter(url, keep_last=1, checksums=checksums),
-            checkpoint_id=next(ids),
-        )
-
+    with_sums, without = steady_save(sd, url, ids), steady_save(sd, url, ids, checksums=False)
     for _ in range(2):  # warm up: freed pages exist to be reused
-        save(True)()
-    pair = take_turns({"sum": (save(True), None), "nosum": (save(False), None)}, 3 * repeats)
+        with_sums()
+    pair = take_turns({"sum": (with_sums, None), "nosum": (without, None)}, 3 * repeats)
     settle()
     close_idle_environments()
     shutil.rmtree(base, ignore_errors=True)
@@ -572,19 +574,10 @@ class Bench:
         sd, steady, redis_url, flush = self.sd, self.steady, self.redis_url, self.client.flushdb
         first = _FirstStores(self)
         dcp_dirs = _DcpDirs(self)
-        for _ in range(2):  # warm up: freed pages exist to be reused
-            dcp.save(
-                sd,
-                storage_writer=KVStorageWriter(steady, keep_last=1),
-                checkpoint_id=next(self.ids),
-            )
         steady_redis = self.server.url(db=1)
-        for _ in range(2):
-            dcp.save(
-                sd,
-                storage_writer=KVStorageWriter(steady_redis, keep_last=1),
-                checkpoint_id=next(self.ids),
-            )
+        for url in (steady, steady_redis):
+            for _ in range(2):  # warm up: freed pages exist to be reused
+                self.steady_save(url)()
         raw = RawRedis(self.server.port)
         items = tensor_parts(sd, self.redis_part_bytes())
         thread_hashing = kvckpt.open_store(redis_url)
@@ -626,12 +619,7 @@ class Bench:
         )
 
     def steady_save(self, url: str, **options: Any) -> Callable[[], Any]:
-        """A save of a new checkpoint with keep_last=1, as a training job saves."""
-        return lambda: dcp.save(
-            self.sd,
-            storage_writer=KVStorageWriter(url, keep_last=1, **options),
-            checkpoint_id=next(self.ids),
-        )
+        return steady_save(self.sd, url, self.ids, **options)
 
     def redis_part_bytes(self) -> int:
         return int(kvckpt.open_store(self.redis_url).max_value_bytes)
