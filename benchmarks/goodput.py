@@ -266,13 +266,13 @@ def step_times(events: list[dict]) -> dict[int, float]:
 def calibrate(places: Places, econ: Economy, args: argparse.Namespace) -> dict[str, Any]:
     """Each system's overhead per save in each of the economy's saving modes, and the interval
     and mode that it then checkpoints at: the mode with the least overhead (each at its best)."""
-    every, saves, warm = args.calibrate_every, args.calibrate_saves, args.calibrate_warmup
-    # The first saves are the warm-up: their staging copy and store pages are fresh memory,
-    # paid once per process (staging) or once per store (LMDB's pages, which a restarted job
-    # on the same node keeps). The window spans the next ``saves`` saves and the steps their
+    every, saves = args.calibrate_every, args.calibrate_saves
+    # The window spans ``saves`` saves after the warm-up (``warm_up``) and the steps their
     # background work overlaps: the steady state a long job is in.
-    steps = every * (warm + saves + 1)
-    window = (every * (warm + 1), steps)
+    early, after = warm_up(args)
+    first = every * math.ceil(after / every)
+    window = (first, first + every * saves)
+    steps = window[1]
     cases = ["none", *(f"{system}/{mode}" for system in args.systems for mode in econ.modes)]
     if args.blocking and "dcp-disk" in args.systems:
         cases.append("dcp-disk/blocking")  # DCP's default async_save: the blocking comparison
@@ -287,7 +287,10 @@ def calibrate(places: Places, econ: Economy, args: argparse.Namespace) -> dict[s
             system, _, mode = case.partition("/")
             places.clear()
             wait_quiet(args)
-            how = ["--every", "0"] if case == "none" else ["--every", str(every), "--staging", mode]
+            how = ["--every", "0"]
+            if case != "none":
+                how = ["--every", str(every), "--every-from", str(first), "--staging", mode]
+                how += ["--also-save-at", ",".join(map(str, early))] if early else []
             ev = run_to_end(places, econ, system, args, "--steps", str(steps), *how)
             t = step_times(ev)
             spans[case].append(t[window[1]] - t[window[0]])
@@ -361,29 +364,28 @@ def verify(
     shows that. An interval measured above the limit on the last try is raised in proportion
     (not measured again; the report says so).
 
-    The ``--calibrate-warmup`` saves that pay for fresh memory come first, ``--calibrate-every``
-    steps apart as in the estimate (``--also-save-at``), and the saves at the interval start
-    after them (``--every-from``): the check measures the steady state a long job is in, from
-    the interval's first save, whatever the interval. For ``tiers`` the window starts later,
-    at the first save at the interval after the shared tier has committed ``--keep-last`` + 1
-    copies (``steady_start``): until then each copy there also pays for fresh memory, once
-    per server, which a long job's shared tier has long paid. What the warm-up costs after a
-    restart (a replaced node's new store) is in the failure runs."""
-    warm = args.calibrate_warmup
+    The warm-up saves that pay for fresh memory come first, as in the estimate (``warm_up``),
+    and the saves at the interval start after them (``--every-from``): the check measures the
+    steady state a long job is in, from the interval's first save, whatever the interval. For
+    ``tiers`` the window starts later, at the first save at the interval after the shared tier
+    has committed ``--keep-last`` + 1 copies (``steady_start``): until then each copy there
+    also pays for fresh memory, once per server, which a long job's shared tier has long
+    paid. What the warm-up costs after a restart (a replaced node's new store) is in the
+    failure runs."""
+    early, after = warm_up(args)
     for system in args.systems:
         chosen = calibration[system]
         interval: int | None = chosen["interval"]
         tries: list[dict[str, Any]] = []
         while interval is not None and (len(tries) < args.verify_tries or _well_under(tries, args)):
             saves = max(args.verify_saves, math.ceil(args.verify_steps / interval))
-            early = [args.calibrate_every * k for k in range(1, warm + 1)]  # warm-up saves
-            after = early[-1] + args.calibrate_every if early else 0
             start = interval * max(1, math.ceil(after / interval))  # the interval's first save
             last = start + interval * saves + (SETTLE_STEPS if system == "tiers" else 0)
             places.clear()
             wait_quiet(args)
             how = ["--every", str(interval), "--every-from", str(start)]
-            how += ["--staging", chosen["mode"], "--also-save-at", ",".join(map(str, early))]
+            how += ["--staging", chosen["mode"]]
+            how += ["--also-save-at", ",".join(map(str, early))] if early else []
             ev = run_to_end(places, econ, system, args, "--steps", str(last), *how)
             t = step_times(ev)
             if system == "tiers":
@@ -406,6 +408,18 @@ def verify(
         else:  # not measured at the last raise: said in the report
             chosen["interval"] = next_interval(tries, args.overhead, searching=False)
             chosen["measured_overhead"] = None
+
+
+def warm_up(args: argparse.Namespace) -> tuple[list[int], int]:
+    """The steps of the warm-up saves that come before every measured window, and the first
+    step the window's saves may fall on. The warm-up's staging copy and store pages are fresh
+    memory, paid once per process (staging) or once per store (LMDB's pages, which a restarted
+    job on the same node keeps; a Redis server's): ``--calibrate-warmup`` saves, one step
+    apart, since what they pay for does not depend on their spacing. The window starts
+    ``--calibrate-every`` steps after the last of them, as far as the window's saves are from
+    each other, so that its background work is done."""
+    early = list(range(1, args.calibrate_warmup + 1))
+    return early, len(early) + args.calibrate_every
 
 
 #: Steps a ``tiers`` check runs on, for the shared tier's first copies (``steady_start``).
@@ -564,12 +578,14 @@ def with_failures(
 ) -> dict[str, Any]:
     """Train at ``interval`` and SIGKILL rank 0 at each of ``args.kills`` (seconds after
     launch); a kill waits until the job is back at the step the previous kill interrupted and
-    has committed ``keep_last`` + 2 saves since it (re)started, the newest one newer than the
-    checkpoint it restored, into the store the restart restores from (for ``tiers``, whose
-    node is replaced, the shared tier): every kill finds the job in its steady state, as a
-    failure hours into a job does, and measures a restore of a checkpoint this run wrote
-    since the last. The expected loss counts the copy lag of a replaced node apart.
-    ``system`` "none" never checkpoints: its failures measure relaunch alone."""
+    has committed a save newer than the checkpoint it restored into the store the restart
+    restores from (for ``tiers``, whose node is replaced, the shared tier), so that each
+    kill measures a restore of a checkpoint this run wrote since the last. Where that store's
+    memory is fresh (``fresh_store``), the kill also waits until it has committed
+    ``keep_last`` + 2 saves since the job (re)started: every kill finds the job in its steady
+    state, as a failure hours into a job does. The expected loss counts the copy lag of a
+    replaced node apart. ``system`` "none" never checkpoints: its failures measure relaunch
+    alone."""
     places.clear()
     wait_quiet(args)
     extra = ["--steps", str(args.steps), "--staging", mode]
@@ -598,11 +614,13 @@ def with_failures(
                     e["event"] == committed and e["step"] > restored[0] for e in mine
                 )
                 # every kill finds the job in its steady state, as a failure hours into a job
-                # does: since it (re)started, the store it restores from has committed the
-                # keep_last + 1 saves whose memory it holds (fresh memory: a new node's store,
-                # once per server a shared tier's; copies beside the restart's own work), and
-                # one more, made once that was paid
-                steady = sum(e["event"] == committed for e in mine) > args.keep_last + 1
+                # does: where the store it restores from has fresh memory, it has since
+                # committed the keep_last + 1 saves whose memory it holds, and one more, made
+                # once that was paid
+                steady = (
+                    not fresh_store(system, attempt)
+                    or sum(e["event"] == committed for e in mine) > args.keep_last + 1
+                )
                 due = back and newer and steady and time.time() >= launched + at
             if starts and due and alive(starts[-1]["pid"]):
                 break
@@ -671,6 +689,16 @@ def with_failures(
         "blocking_max": max(saves, default=0.0),
         **copy_lag(ev, args.keep_last + 1),
     }
+
+
+def fresh_store(system: str, attempt: int) -> bool:
+    """Whether the store a start of ``system`` saves into and restores from has fresh memory
+    for the saves it holds: the first start's LMDB store and Redis server (a restarted job's
+    node keeps its store, a server its memory), and every start's for ``tiers``, whose node
+    is replaced (a new node's store; its copies to the shared tier run beside that store's
+    first saves). DCP writes every save into new files, so its saves pay for fresh memory in
+    a long job's steady state too: nothing to wait for."""
+    return system == "tiers" or (attempt == 0 and system in ("lmdb", "redis"))
 
 
 def back_from(
