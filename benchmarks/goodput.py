@@ -911,7 +911,8 @@ def table(results: dict[str, Any]) -> str:
             f"Relaunch of the job that never checkpoints (the part no system can avoid): "
             f"{base:.2f} s, median of {len(results['relaunch_alone']['failures'])}. Kills, "
             "seconds after launch (each due an interval plus the slowest restart after the "
-            "one before, and made once the job was back and steady): "
+            "one before, and made once the job was back with a newer save committed and, "
+            "where the store it restores from had fresh memory, steady): "
             + "; ".join(
                 f"{NAMES.get(s, s)} "
                 + ", ".join(f"{f['killed_at']:.0f}" for f in r.get("failures", []))
