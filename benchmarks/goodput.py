@@ -290,7 +290,7 @@ def calibrate(places: Places, econ: Economy, args: argparse.Namespace) -> dict[s
             how = ["--every", "0"]
             if case != "none":
                 how = ["--every", str(every), "--every-from", str(first), "--staging", mode]
-                how += ["--also-save-at", ",".join(map(str, early))] if early else []
+                how += ["--also-save-at", ",".join(map(str, early))]
             ev = run_to_end(places, econ, system, args, "--steps", str(steps), *how)
             t = step_times(ev)
             spans[case].append(t[window[1]] - t[window[0]])
@@ -384,8 +384,7 @@ def verify(
             places.clear()
             wait_quiet(args)
             how = ["--every", str(interval), "--every-from", str(start)]
-            how += ["--staging", chosen["mode"]]
-            how += ["--also-save-at", ",".join(map(str, early))] if early else []
+            how += ["--staging", chosen["mode"], "--also-save-at", ",".join(map(str, early))]
             ev = run_to_end(places, econ, system, args, "--steps", str(last), *how)
             t = step_times(ev)
             if system == "tiers":
