@@ -59,15 +59,6 @@ def keys_per_node(cluster: RedisClusterProcesses, prefix: str) -> list[int]:
     return counts
 
 
-def data_keys(cluster: RedisClusterProcesses, prefix: str) -> list[str]:
-    keys = []
-    for server in cluster.primaries():
-        client = server.client()
-        keys += [k.decode() for k in client.scan_iter(match=prefix + "*", count=1000)]
-        client.close()
-    return keys
-
-
 def sd(value: float, n: int = 16) -> dict[str, torch.Tensor]:
     return {f"t{i}": torch.full((1 << 16,), value + i) for i in range(n)}  # 256 KiB each
 
@@ -80,7 +71,7 @@ def test_two_ranks_save_load_at_1_and_3(url: str, cluster: RedisClusterProcesses
     # save this small, ten keys under a random save id, leaves one of three primaries empty
     # about one time in twenty; test_bookkeeping_keys_share_a_slot_and_data_spreads counts
     # each primary's share of a save of 256 keys.)
-    keys = data_keys(cluster, data_prefix("kvckpt"))
+    keys = list(open_store(url).scan(data_prefix("kvckpt")))
     client = cluster.servers[0].client()
     assert len(keys) == 10 and len({client.cluster("keyslot", k) for k in keys}) > 1, keys
 
