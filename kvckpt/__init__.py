@@ -33,6 +33,7 @@ from .errors import (
     UnsafeStoreError,
     UnsupportedFormatVersionError,
     UnwritablePathError,
+    WritePermissionError,
 )
 from .manage import (
     CheckpointInfo,
@@ -46,12 +47,12 @@ from .manage import (
 from .stores import open_store
 
 if TYPE_CHECKING:
+    from .dcp_files import DirectoryReader
     from .reader import KVStorageReader
     from .restore import RestoreStats, TieredStorageReader
     from .safetensors_export import export_safetensors
     from .staging import background_stager
     from .tiered import TieredStorageWriter, Tiers
-    from .transfer import DirectoryReader
     from .writer import KVStorageWriter
 
 #: name -> module of the public names that import torch, imported on first access
@@ -63,7 +64,7 @@ _LAZY = {
     "export_safetensors": "safetensors_export",
     "TieredStorageWriter": "tiered",
     "Tiers": "tiered",
-    "DirectoryReader": "transfer",
+    "DirectoryReader": "dcp_files",
     "KVStorageWriter": "writer",
 }
 
@@ -113,6 +114,7 @@ __all__ = [
     "UnsafeStoreError",
     "UnsupportedFormatVersionError",
     "UnwritablePathError",
+    "WritePermissionError",
     "background_stager",
     "delete_checkpoint",
     "export_safetensors",

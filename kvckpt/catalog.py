@@ -25,6 +25,7 @@ from .errors import (
     MetadataError,
     ReadOnlyStoreError,
     SaveAbandonedError,
+    StoreFullError,
 )
 from .format import (
     CheckpointRecord,
@@ -356,26 +357,68 @@ def _update_readers(
 
 @contextmanager
 def read_lease(
-    engine: Engine, checkpoint_id: str, lease_seconds: float
+    engine: Engine, checkpoint_id: str, lease_seconds: float | None
 ) -> Iterator[LeaseRenewal | Callable[[], None]]:
-    """Hold a read lease for the duration of a block; yields its ``LeaseRenewal``."""
+    """Hold a read lease for the duration of a block; yields its ``LeaseRenewal``.
+
+    Reading never depends on writing. Without a lease (``lease_seconds`` None or 0, an engine
+    opened with ``read_lease=0``, or a store that refuses the lease's small write: a Redis
+    replica or one at ``maxmemory``, a user limited to reads, a read-only LMDB directory) the
+    block runs all the same: retention and re-saves of the id are then not held off, and a
+    value they delete or replace mid-read fails the read's size or checksum check with an
+    error naming the checkpoint, never as wrong data."""
+    if not lease_seconds or not engine.read_leases:
+        yield _no_renewal
+        return
     token = _new_token()
     try:
         take_read_lease(engine, checkpoint_id, token, lease_seconds)
-    except ReadOnlyStoreError:
-        # A replica: nothing deletes through it, and its primary's deletions cannot see a lease
-        # anyway. Read without one.
-        yield lambda: None
+    except (ReadOnlyStoreError, StoreFullError) as e:
+        _warn_unleased(engine, e)
+        yield _no_renewal
         return
     try:
         yield LeaseRenewal(
-            lease_seconds, lambda: take_read_lease(engine, checkpoint_id, token, lease_seconds)
+            lease_seconds, lambda: _renew_if_possible(engine, checkpoint_id, token, lease_seconds)
         )
     finally:
         try:
             release_read_lease(engine, checkpoint_id, token)
         except Exception:  # the lease lapses on its own; never mask the load's own outcome
             logger.warning("could not release a read lease on %r in %s", checkpoint_id, engine.url)
+
+
+def _no_renewal(force: bool = False) -> None:
+    """The renewal of a read that holds no lease."""
+
+
+def _renew_if_possible(engine: Engine, checkpoint_id: str, token: str, seconds: float) -> None:
+    """Renew a read lease; a store that filled up since it was taken lets it lapse instead of
+    failing the read."""
+    try:
+        take_read_lease(engine, checkpoint_id, token, seconds)
+    except StoreFullError as e:
+        _warn_unleased(engine, e)
+
+
+#: (store, kind of refusal) already logged by ``_warn_unleased`` in this process
+_WARNED_UNLEASED: set[tuple[str, str]] = set()
+
+
+def _warn_unleased(engine: Engine, refusal: Exception) -> None:
+    """Say once per store and kind of refusal that reads there hold no lease, and why."""
+    seen = (engine.url, type(refusal).__name__)
+    if seen in _WARNED_UNLEASED:
+        return
+    _WARNED_UNLEASED.add(seen)
+    logger.warning(
+        "kvckpt reads from %s without a read lease, since the store refuses writes (%s). "
+        "Checkpoints are read and verified as always, but retention (keep_last, gc) and "
+        "re-saves are not held off while a read runs: a value they delete mid-read fails "
+        "the read with an error naming the checkpoint; read again.",
+        engine.url,
+        str(refusal).split(". ")[0],
+    )
 
 
 def _new_token() -> str:
@@ -606,6 +649,21 @@ def rebuild_index(engine: Engine, *, write: bool = True) -> Index:
 
 #: The ``origin`` of the parts of a save that ``Tiers.prefetch`` brought into a node's store.
 PREFETCHED = "prefetch"
+#: The ``origin`` of the parts of a save that another node's ranks copied into a node's store
+#: (``Tiers(peers=K)``, ``kvckpt.peer_copy``).
+PEER = "peer"
+
+
+def peer_meta_key(prefix: str, checkpoint_id: str, save_id: str) -> str:
+    """Where a node that keeps peer copies of the coordinator's node's share keeps the save's
+    metadata too (the coordinator's meta value, as it is): ``{P}/peermeta/<id>/<save id>``.
+    Not a commit: the checkpoint is not listed there; a restore reads it when the
+    coordinator's node is gone."""
+    return f"{{{prefix}}}/peermeta/{checkpoint_id}/{save_id}"
+
+
+def peer_meta_prefix(prefix: str) -> str:
+    return f"{{{prefix}}}/peermeta/"
 
 
 def record_share(engine: Engine, checkpoint_id: str, save_id: str, ranks: list[int]) -> None:

@@ -1,14 +1,14 @@
 """The ``kvckpt`` command line: list, inspect, delete, verify and move checkpoints.
 
 Listing, inspecting, deleting and ``gc`` never import torch (only moving data does: verify,
-export, import, copy, torch-save), so they answer at once.
+export, import, copy, torch-save, in ``cli_data``), so they answer at once.
 
 Exit codes (``EXIT_CODES``): 0 success; 1 verification found problems; 2 usage error (bad
 arguments, URL, URL option or checkpoint id); 3 checkpoint or store not found; 4 store
 unreachable (down, or refused the credentials); 5 checkpoint damaged or unreadable; 6 the
 destination cannot be written (a store that is full, read-only, or unsafe to write, a
 checkpoint id another writer holds or one that exists where ``copy`` was not told to replace
-it, or a file or directory that cannot be created); 7 any
+it, or a file, directory or store path that cannot be created); 7 any
 other error.
 
 With ``--json``, every command prints one JSON document on stdout, an error included:
@@ -17,169 +17,30 @@ With ``--json``, every command prints one JSON document on stdout, an error incl
 
 from __future__ import annotations
 
-import datetime as _dt
-import functools
-import json
-import sys
-from collections.abc import Callable, Sequence, Set
-from typing import Any, TypeVar
+from typing import Any
+from urllib.parse import parse_qsl, urlencode
 
 import click
 
-from . import manage
-from .engines.base import Engine
-from .errors import (
-    CheckpointExistsError,
-    CheckpointLockedError,
-    CheckpointNotFoundError,
-    DataError,
-    InvalidCheckpointIdError,
-    InvalidURLError,
-    KVCheckpointError,
-    MetadataError,
-    ReadOnlyStoreError,
-    StoreFullError,
-    StoreUnavailableError,
-    UnsafeObjectError,
-    UnsafeStoreError,
-    UnwritablePathError,
+from . import cli_data, manage
+from .cli_common import (
+    EXIT_CODES,
+    count,
+    emit,
+    exit_code,
+    handle_errors,
+    human_bytes,
+    iso_time,
+    json_option,
+    show_time,
+    table,
 )
+from .engines.base import Engine
+from .errors import CheckpointNotFoundError, MetadataError
 from .stores import open_store
 
-(
-    EXIT_OK,
-    EXIT_VERIFY_FAILED,
-    EXIT_USAGE,
-    EXIT_NOT_FOUND,
-    EXIT_UNAVAILABLE,
-    EXIT_DAMAGED,
-    EXIT_DESTINATION,
-    EXIT_OTHER,
-) = range(8)
-
-#: exit code -> what it means (the table of ``kvckpt --help`` and docs/reference/cli.md)
-EXIT_CODES = {
-    EXIT_OK: "success",
-    EXIT_VERIFY_FAILED: "verification found problems",
-    EXIT_USAGE: "usage error: bad arguments, URL, URL option or checkpoint id",
-    EXIT_NOT_FOUND: "checkpoint or store not found",
-    EXIT_UNAVAILABLE: "store unreachable, or it refused the credentials",
-    EXIT_DAMAGED: "checkpoint damaged or unreadable",
-    EXIT_DESTINATION: "destination cannot be written: store full, read-only or unsafe, "
-    "checkpoint id held by another writer, file or directory that cannot be created",
-    EXIT_OTHER: "any other error",
-}
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    raise AssertionError
-
-
-def _time(ts: float) -> str:
-    return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _iso(ts: float) -> str:
-    return _dt.datetime.fromtimestamp(ts, tz=_dt.UTC).isoformat()
-
-
-def table(
-    headers: Sequence[str],
-    rows: Sequence[Sequence[Any]],
-    right: Set[int] = frozenset(),
-) -> str:
-    cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = []
-    for row in cells:
-        parts = [
-            c.rjust(w) if i in right else c.ljust(w)
-            for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("  ".join(parts).rstrip())
-    return "\n".join(lines)
-
-
-def exit_code(error: BaseException) -> int:
-    """The documented exit code for an error a command raised."""
-    # DCP wraps each rank's error in a CheckpointException (a BaseException): its first
-    # rank's error decides.
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        inner = first[0] if isinstance(first, tuple) and first else first
-        if isinstance(inner, BaseException):
-            return exit_code(inner)
-    if isinstance(error, InvalidURLError | InvalidCheckpointIdError):
-        return EXIT_USAGE
-    if isinstance(error, CheckpointNotFoundError):
-        return EXIT_NOT_FOUND
-    if isinstance(
-        error,
-        StoreFullError
-        | ReadOnlyStoreError
-        | UnsafeStoreError
-        | CheckpointLockedError
-        | CheckpointExistsError
-        | UnwritablePathError,
-    ):
-        return EXIT_DESTINATION
-    if isinstance(error, StoreUnavailableError):
-        return EXIT_UNAVAILABLE
-    if isinstance(error, MetadataError | DataError | UnsafeObjectError):
-        return EXIT_DAMAGED
-    if isinstance(error, KVCheckpointError):
-        return EXIT_OTHER
-    if isinstance(error, OSError):  # a file or directory that export or torch-save writes
-        return EXIT_DESTINATION
-    return EXIT_OTHER
-
-
-def _message(error: BaseException) -> str:
-    text = str(error).strip()
-    if not isinstance(error, KVCheckpointError) and text:
-        text = text.splitlines()[-1]  # DCP's CheckpointException ends with the rank's error
-    return text or type(error).__name__
-
-
-def handle_errors(command: F) -> F:
-    """Map errors to one line on stderr and a documented exit code (``exit_code``); with
-    ``--json``, also to a JSON document on stdout."""
-
-    @functools.wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except (KeyboardInterrupt, SystemExit, click.exceptions.Exit, click.ClickException):
-            raise
-        except BaseException as e:
-            code, message = exit_code(e), _message(e)
-        click.echo(f"kvckpt: error: {message}", err=True)
-        if kwargs.get("as_json"):
-            _emit({"error": message, "exit_code": code})
-        sys.exit(code)
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _emit(doc: Any) -> None:
-    click.echo(json.dumps(doc, indent=2))
-
-
-def _progress(quiet: bool) -> bool:
-    return not quiet and sys.stderr.isatty()
-
-
-quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-json_option = click.option(
-    "--json", "as_json", is_flag=True, help="Print one JSON document on stdout (errors too)."
-)
+#: Names the command line's users and tests import from here.
+__all__ = ["EXIT_CODES", "exit_code", "human_bytes", "main"]
 
 _EXIT_TABLE = "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_CODES.items())
 
@@ -193,9 +54,23 @@ def main() -> None:
     """Manage PyTorch DCP checkpoints stored in LMDB or Redis.
 
     URL is a store URL: lmdb:///dev/shm/ckpt, redis://[user:password@]host:6379/0,
-    rediss://..., unix:///path/redis.sock; add ?prefix=NAME to pick a namespace.
-    Every command takes --json for one JSON document on stdout.
+    rediss://..., unix:///path/redis.sock; add ?prefix=NAME to pick a namespace
+    (kvckpt ls --namespaces URL lists them). Every command takes --json for one JSON
+    document on stdout.
     """
+
+
+for _command in cli_data.COMMANDS:
+    main.add_command(_command)
+
+
+def with_prefix(url: str, prefix: str) -> str:
+    """``url`` (as an engine shows it, password masked) with its ``?prefix=`` set to
+    ``prefix``: the URL of another namespace of the same store."""
+    base, _, query = url.partition("?")
+    pairs = [(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if k != "prefix"]
+    pairs.append(("prefix", prefix))
+    return f"{base}?{urlencode(pairs, safe='*/:')}"
 
 
 @main.command("ls")
@@ -207,37 +82,100 @@ def main() -> None:
     is_flag=True,
     help="Include incomplete checkpoints (saves that never committed).",
 )
+@click.option(
+    "--namespaces",
+    "show_namespaces",
+    is_flag=True,
+    help="List the store's namespaces (?prefix=NAME) and their checkpoints instead.",
+)
 @json_option
 @handle_errors
-def ls_command(url: str, show_all: bool, as_json: bool) -> None:
-    """List checkpoints, newest first (--json: a list of checkpoints).
+def ls_command(url: str, show_all: bool, show_namespaces: bool, as_json: bool) -> None:
+    """List checkpoints, newest first (--json: a list of checkpoints). Where the URL's
+    namespace has none, the other namespaces the store holds are named.
+
+    With --namespaces, the store's namespaces instead, found from key names and each one's
+    index, never from data keys (--json: a list of {"prefix", "url", "checkpoints",
+    "total_bytes", "indexed"}).
 
     \b
     Example:
       kvckpt ls redis://localhost:6379/0 --all
+      kvckpt ls --namespaces lmdb:///dev/shm/ckpt
     """
     engine = open_store(url, create=False)
+    if show_namespaces:
+        _list_namespaces(engine, as_json)
+        return
     # a store that is not there is an error (exit 3), not "no checkpoints": a mistyped path
     infos = manage.stored_checkpoints(engine, include_incomplete=show_all)
     if as_json:
-        _emit([i.to_json() for i in infos])
+        emit([i.to_json() for i in infos])
+        if not infos:
+            _other_namespaces(engine, err=True)
         return
     if not infos:
         click.echo(f"no checkpoints in {engine.url}")
+        _other_namespaces(engine, err=False)
         return
     rows = [
         (
             i.checkpoint_id,
-            _time(i.created_at),
+            show_time(i.created_at),
             human_bytes(i.total_bytes),
             i.num_items,
             i.world_size if i.world_size is not None else "-",
             ("complete" if i.complete else "incomplete")
-            + (f", expires {_time(i.expires_at)}" if i.expires_at else ""),
+            + (f", expires {show_time(i.expires_at)}" if i.expires_at else ""),
         )
         for i in infos
     ]
     click.echo(table(("ID", "CREATED", "SIZE", "ITEMS", "WORLD", "STATUS"), rows, {2, 3, 4}))
+
+
+def _other_namespaces(engine: Engine, *, err: bool) -> None:
+    """Where the URL's namespace is empty: the store's other namespaces that hold
+    checkpoints, and how to pick one (on stderr with ``err``, beside a JSON document)."""
+    others = [
+        n for n in manage.list_namespaces(engine) if n.prefix != engine.prefix and n.checkpoints
+    ]
+    if not others:
+        return
+    names = ", ".join(
+        f"{n.prefix!r} ("
+        + ("index unreadable" if n.checkpoints is None else count(n.checkpoints, "checkpoint"))
+        + ")"
+        for n in others
+    )
+    click.echo(
+        f"the store holds checkpoints in other namespaces: {names}. Pick one with "
+        f"?prefix=NAME, e.g. kvckpt ls '{with_prefix(engine.url, others[0].prefix)}' "
+        f"(kvckpt ls --namespaces '{engine.url}' lists them)",
+        err=err,
+    )
+
+
+def _list_namespaces(engine: Engine, as_json: bool) -> None:
+    """``kvckpt ls --namespaces``."""
+    spaces = manage.list_namespaces(engine)
+    if as_json:
+        emit([{**n.to_json(), "url": with_prefix(engine.url, n.prefix)} for n in spaces])
+        return
+    if not spaces:
+        click.echo(f"no namespaces in {engine.url}: the store holds no checkpoints")
+        return
+    rows = [
+        (
+            n.prefix,
+            "?" if n.checkpoints is None else n.checkpoints,
+            "-" if n.total_bytes is None else human_bytes(n.total_bytes),
+            with_prefix(engine.url, n.prefix)
+            + ("" if n.indexed else "  (no index: run kvckpt gc on it)")
+            + ("  (index unreadable: run kvckpt gc on it)" if n.checkpoints is None else ""),
+        )
+        for n in spaces
+    ]
+    click.echo(table(("NAMESPACE", "CHECKPOINTS", "SIZE", "URL"), rows, {1, 2}))
 
 
 @main.command("stats")
@@ -245,10 +183,12 @@ def ls_command(url: str, show_all: bool, as_json: bool) -> None:
 @json_option
 @handle_errors
 def stats_command(url: str, as_json: bool) -> None:
-    """A store's checkpoints, their bytes, and the store's memory in use and its limit.
+    """A store's checkpoints, their bytes, and the store's memory in use and its limit; for
+    LMDB also the memory its file holds, pages made ready ahead of the next saves included.
 
     --json: {"url", "checkpoints", "checkpoint_bytes", "used_bytes", "limit_bytes",
-    "limit_from"} (the byte counts null where the store cannot tell).
+    "limit_from", "held_bytes", "checkpoint_list"} (the byte counts null where the store
+    cannot tell; "checkpoint_list" as kvckpt ls --json lists them).
 
     \b
     Example:
@@ -257,21 +197,24 @@ def stats_command(url: str, as_json: bool) -> None:
     engine = open_store(url, create=False)
     infos = manage.stored_checkpoints(engine, include_incomplete=False)
     usage = engine.usage()
-    held = sum(i.total_bytes for i in infos)
+    held = manage.held_bytes(engine)
+    stored = sum(i.total_bytes for i in infos)
     if as_json:
-        _emit(
+        emit(
             {
                 "url": engine.url,
                 "checkpoints": len(infos),
-                "checkpoint_bytes": held,
+                "checkpoint_bytes": stored,
                 "used_bytes": usage.used_bytes,
                 "limit_bytes": usage.limit_bytes,
                 "limit_from": usage.limit_from or None,
+                "held_bytes": held,
+                "checkpoint_list": [i.to_json() for i in infos],
             }
         )
         return
     click.echo(f"store        {engine.url}")
-    click.echo(f"checkpoints  {len(infos)}, {human_bytes(held)} of tensor data")
+    click.echo(f"checkpoints  {len(infos)}, {human_bytes(stored)} of tensor data")
     used = "unknown" if usage.used_bytes is None else human_bytes(usage.used_bytes)
     if usage.limit_bytes is None:
         limit = f"no limit set ({usage.limit_from})" if usage.limit_from else "limit unknown"
@@ -279,9 +222,18 @@ def stats_command(url: str, as_json: bool) -> None:
         share = f" ({usage.used_bytes / usage.limit_bytes:.0%})" if usage.used_bytes else ""
         limit = f"of {human_bytes(usage.limit_bytes)}{share}, {usage.limit_from}"
     click.echo(f"memory       {used} in use, {limit}")
+    if held is not None:
+        beyond = held - (usage.used_bytes or 0)
+        why = (
+            f": {human_bytes(beyond)} more than in use, pages made ready ahead of the next "
+            "saves and freed pages kept for reuse"
+            if beyond > 0
+            else ""
+        )
+        click.echo(f"memory held  {human_bytes(held)} by the store's file{why}")
     if infos:
         rows = [
-            (i.checkpoint_id, _time(i.created_at), human_bytes(i.total_bytes), i.num_items)
+            (i.checkpoint_id, show_time(i.created_at), human_bytes(i.total_bytes), i.num_items)
             for i in infos
         ]
         click.echo("")
@@ -372,7 +324,7 @@ def info_command(url: str, checkpoint_id: str, show_keys: bool, as_json: bool) -
     summary: dict[str, Any] = {
         "checkpoint_id": checkpoint_id,
         "save_id": head["save_id"] if len(records) == 1 else None,
-        "created_at": _iso(created),
+        "created_at": iso_time(created),
         "world_size": head["world_size"],
         "rank_local": head["rank"] is not None,
         "total_bytes": sum(r["total_bytes"] for r in records),
@@ -384,12 +336,14 @@ def info_command(url: str, checkpoint_id: str, show_keys: bool, as_json: bool) -
         _show_keys(engine.prefix, records, summary, as_json)
         return
     if as_json:
-        _emit(summary)
+        emit(summary)
         return
     click.echo(f"checkpoint  {checkpoint_id}" + ("  (rank-local)" if summary["rank_local"] else ""))
-    click.echo(f"created     {_time(created)}")
+    click.echo(f"created     {show_time(created)}")
     click.echo(f"world size  {head['world_size']}")
-    click.echo(f"size        {human_bytes(summary['total_bytes'])} in {summary['items']} items")
+    click.echo(
+        f"size        {human_bytes(summary['total_bytes'])} in {count(summary['items'], 'item')}"
+    )
     click.echo(f"format      {head['format_version']}")
     click.echo("")
     rows = [
@@ -431,10 +385,10 @@ def _show_keys(
     ]
     if as_json:
         del summary["tensors"]
-        _emit({**summary, "write_items": items})
+        emit({**summary, "write_items": items})
         return
     click.echo(
-        f"checkpoint {summary['checkpoint_id']}: {len(items)} items, format "
+        f"checkpoint {summary['checkpoint_id']}: {count(len(items), 'item')}, format "
         f"{summary['format_version']}"
     )
     rows = [
@@ -473,9 +427,9 @@ def rm_command(url: str, checkpoint_ids: tuple[str, ...], as_json: bool) -> None
         keys = manage.delete_checkpoint(engine, cid)
         deleted.append({"checkpoint_id": cid, "data_keys": keys})
         if not as_json:
-            click.echo(f"deleted {cid} ({keys} data keys)")
+            click.echo(f"deleted {cid} ({count(keys, 'data key')})")
     if as_json:
-        _emit({"url": engine.url, "deleted": deleted})
+        emit({"url": engine.url, "deleted": deleted})
 
 
 @main.command("gc")
@@ -499,9 +453,11 @@ def rm_command(url: str, checkpoint_ids: tuple[str, ...], as_json: bool) -> None
 def gc_command(
     url: str, keep_last: int | None, incomplete_older_than: float, dry_run: bool, as_json: bool
 ) -> None:
-    """Delete old checkpoints and the data of saves that never committed.
+    """Delete old checkpoints, the data of saves that never committed, and the spares that
+    retention kept for the next save to write over (Redis).
 
-    --json: {"url", "dry_run", "deleted_checkpoints", "removed_incomplete", "deleted_keys"}.
+    --json: {"url", "dry_run", "deleted_checkpoints", "removed_incomplete", "deleted_keys",
+    "spare_keys"} ("deleted_keys" counts every key, the spares in "spare_keys" included).
 
     \b
     Example:
@@ -512,268 +468,24 @@ def gc_command(
         engine, keep_last=keep_last, incomplete_older_than=incomplete_older_than, dry_run=dry_run
     )
     if as_json:
-        _emit({"url": engine.url, **report.to_json()})
+        emit({"url": engine.url, **report.to_json()})
         return
     delete, remove = ("would delete", "would remove") if dry_run else ("deleted", "removed")
     for cid in report.deleted_checkpoints:
         click.echo(f"{delete} checkpoint {cid}")
     for name in report.removed_incomplete:
         click.echo(f"{remove} incomplete save {name}")
+    if report.spare_keys:
+        click.echo(
+            f"{delete} {count(report.spare_keys, 'spare key')} (values retention kept for the "
+            "next save to write over)"
+        )
+    keys = count(report.deleted_keys - report.spare_keys, "data key")
+    if report.spare_keys:
+        keys += f" and {count(report.spare_keys, 'spare key')}"
     click.echo(
-        f"{report.deleted_keys} data keys "
-        + ("would be deleted (dry run: nothing changed)" if dry_run else "deleted")
+        f"{keys} " + ("would be deleted (dry run: nothing changed)" if dry_run else "deleted")
     )
-
-
-@main.command("verify")
-@click.argument("url")
-@click.argument("checkpoint_id")
-@quiet_option
-@json_option
-@handle_errors
-def verify_command(url: str, checkpoint_id: str, quiet: bool, as_json: bool) -> None:
-    """Check that every key of a checkpoint is present with the right size (exit 1 if not).
-
-    --json: {"checkpoint_id", "ok", "keys", "total_bytes", "problems"}.
-
-    \b
-    Example:
-      kvckpt verify redis://localhost:6379/0 step-100
-    """
-    from . import transfer
-
-    report = transfer.verify(url, checkpoint_id, progress=_progress(quiet))
-    if as_json:
-        _emit(
-            {
-                "checkpoint_id": checkpoint_id,
-                "ok": report.ok,
-                "keys": report.keys,
-                "total_bytes": report.total_bytes,
-                "problems": report.problems,
-            }
-        )
-    else:
-        for problem in report.problems[:100]:
-            click.echo(problem)
-        if len(report.problems) > 100:
-            click.echo(f"... and {len(report.problems) - 100} more problems")
-        if report.ok:
-            click.echo(
-                f"{checkpoint_id}: OK ({report.keys} keys, {human_bytes(report.total_bytes)})"
-            )
-        else:
-            click.echo(
-                f"{checkpoint_id}: FAILED ({len(report.problems)} problems in {report.keys} keys)"
-            )
-    if not report.ok:
-        sys.exit(EXIT_VERIFY_FAILED)
-
-
-@main.command("export")
-@click.argument("url")
-@click.argument("checkpoint_id")
-@click.argument("directory", type=click.Path(file_okay=False))
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["dcp", "safetensors"]),
-    default="dcp",
-    show_default=True,
-    help="dcp: a standard DCP directory. safetensors: Hugging Face safetensors shards of "
-    "full tensors plus model.safetensors.index.json.",
-)
-@click.option(
-    "--prefix",
-    default="model.",
-    show_default=True,
-    help="safetensors: export the tensors under this prefix, named without it ('' for all).",
-)
-@click.option("--include", default=None, help="safetensors: a regex the names must match.")
-@click.option(
-    "--dtype", default=None, help="safetensors: write floating-point tensors as, e.g., bfloat16."
-)
-@click.option(
-    "--max-shard-size",
-    default="5GB",
-    show_default=True,
-    help="safetensors: the most bytes of tensor data in one file (e.g. 2GB, 500MiB).",
-)
-@quiet_option
-@json_option
-@handle_errors
-def export_command(
-    url: str,
-    checkpoint_id: str,
-    directory: str,
-    fmt: str,
-    prefix: str,
-    include: str | None,
-    dtype: str | None,
-    max_shard_size: str,
-    quiet: bool,
-    as_json: bool,
-) -> None:
-    """Write a checkpoint as a standard DCP directory (read by stock dcp.load), or as Hugging
-    Face safetensors for evaluation and serving (--format safetensors).
-
-    --json: {"checkpoint_id", "directory", "format"}.
-
-    \b
-    Example:
-      kvckpt export redis://localhost:6379/0 step-100 /checkpoints/step-100
-      kvckpt export lmdb:///dev/shm/ckpt step-100 /models/step-100 --format safetensors \\
-          --dtype bfloat16
-    """
-    if fmt == "safetensors":
-        from .safetensors_export import export_safetensors
-
-        out = export_safetensors(
-            url,
-            checkpoint_id,
-            directory,
-            prefix=prefix,
-            include=include,
-            dtype=dtype,
-            max_shard_bytes=_parse_size(max_shard_size),
-        )
-    else:
-        from . import transfer
-
-        out = transfer.export_checkpoint(url, checkpoint_id, directory, progress=_progress(quiet))
-    if as_json:
-        _emit({"checkpoint_id": checkpoint_id, "directory": str(out), "format": fmt})
-        return
-    click.echo(f"exported {checkpoint_id} to {out}" + (" as safetensors" if fmt != "dcp" else ""))
-
-
-def _parse_size(text: str) -> int:
-    """Bytes of a size such as ``5GB``, ``500MiB`` or ``1000000``."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-    units |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
-    number = text.strip()
-    digits = number.rstrip("KMGTBIkmgtbi")
-    unit = number[len(digits) :].upper()
-    try:
-        value = float(digits)
-    except ValueError:
-        value = -1.0
-    if unit not in units or value <= 0:
-        raise click.BadParameter(
-            f"{text!r} is not a size: write e.g. 5GB, 500MiB or 1000000",
-            param_hint="--max-shard-size",
-        )
-    return int(value * units[unit])
-
-
-@main.command("import")
-@click.argument("directory", type=click.Path(exists=True, file_okay=False))
-@click.argument("url")
-@click.argument("checkpoint_id")
-@quiet_option
-@json_option
-@handle_errors
-def import_command(
-    directory: str, url: str, checkpoint_id: str, quiet: bool, as_json: bool
-) -> None:
-    """Import a directory written by DCP's FileSystemWriter (any world size).
-
-    --json: {"directory", "url", "checkpoint_id", "items", "total_bytes"}.
-
-    \b
-    Example:
-      kvckpt import /checkpoints/step-100 lmdb:///dev/shm/ckpt step-100
-    """
-    from . import transfer
-
-    record = transfer.import_checkpoint(directory, url, checkpoint_id, progress=_progress(quiet))
-    if as_json:
-        _emit(
-            {
-                "directory": directory,
-                "url": open_store(url).url,
-                "checkpoint_id": record.checkpoint_id,
-                "items": len(record.locations),
-                "total_bytes": record.total_bytes,
-            }
-        )
-        return
-    click.echo(
-        f"imported {directory} as {checkpoint_id} ({len(record.locations)} items, "
-        f"{human_bytes(record.total_bytes)})"
-    )
-
-
-@main.command("copy")
-@click.argument("src_url")
-@click.argument("checkpoint_id")
-@click.argument("dst_url")
-@click.argument("new_id", required=False)
-@click.option("--force", is_flag=True, help="Replace a checkpoint of that id at the destination.")
-@quiet_option
-@json_option
-@handle_errors
-def copy_command(
-    src_url: str,
-    checkpoint_id: str,
-    dst_url: str,
-    new_id: str | None,
-    force: bool,
-    quiet: bool,
-    as_json: bool,
-) -> None:
-    """Copy a checkpoint to another store (or under a new id).
-
-    --json: {"source", "checkpoint_id", "destination", "new_id", "total_bytes"}.
-
-    \b
-    Example:
-      kvckpt copy lmdb:///dev/shm/ckpt step-100 redis://shared:6379/0
-    """
-    from . import transfer
-
-    record = transfer.copy_checkpoint(
-        src_url, checkpoint_id, dst_url, new_id, overwrite=force, progress=_progress(quiet)
-    )
-    if as_json:
-        _emit(
-            {
-                "source": open_store(src_url, create=False).url,
-                "checkpoint_id": checkpoint_id,
-                "destination": open_store(dst_url).url,
-                "new_id": record.checkpoint_id,
-                "total_bytes": record.total_bytes,
-            }
-        )
-        return
-    click.echo(
-        f"copied {checkpoint_id} to {open_store(dst_url).url} as "
-        f"{record.checkpoint_id} ({human_bytes(record.total_bytes)})"
-    )
-
-
-@main.command("torch-save")
-@click.argument("url")
-@click.argument("checkpoint_id")
-@click.argument("file", type=click.Path(dir_okay=False))
-@json_option
-@handle_errors
-def torch_save_command(url: str, checkpoint_id: str, file: str, as_json: bool) -> None:
-    """Write one torch.save file with full (unsharded) tensors.
-
-    --json: {"checkpoint_id", "file"}.
-
-    \b
-    Example:
-      kvckpt torch-save redis://localhost:6379/0 step-100 model.pt
-    """
-    from . import transfer
-
-    path = transfer.torch_save_checkpoint(url, checkpoint_id, file)
-    if as_json:
-        _emit({"checkpoint_id": checkpoint_id, "file": str(path)})
-        return
-    click.echo(f"wrote {path}")
 
 
 if __name__ == "__main__":  # pragma: no cover

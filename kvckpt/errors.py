@@ -24,7 +24,13 @@ class StoreUnavailableError(KVCheckpointError, ConnectionError):
 
 
 class ReadOnlyStoreError(StoreUnavailableError):
-    """The store takes no writes (a Redis replica): save, delete and gc go to its primary."""
+    """The store takes no writes (a Redis replica, an LMDB directory this user cannot write):
+    save, delete and gc go to its primary, or run as a user who can write. Loads, ``verify``,
+    copies from it and exports still work (without a read lease)."""
+
+
+class WritePermissionError(ReadOnlyStoreError):
+    """The store's user may read but not write (a Redis ACL user limited to ``+@read``)."""
 
 
 class CheckpointNotFoundError(KVCheckpointError, LookupError, FileNotFoundError):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import math
+import os
+import re
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -18,6 +20,7 @@ from typing import Any
 from .catalog import (
     Index,
     collect_retired,
+    index_key,
     live_readers,
     pending_name,
     publish,
@@ -29,12 +32,13 @@ from .catalog import (
     update_index,
 )
 from .engines.base import Engine
-from .errors import CheckpointNotFoundError, MetadataError, StoreNotFoundError
+from .errors import CheckpointNotFoundError, MetadataError, StoreFullError, StoreNotFoundError
 from .format import (
     data_prefix,
     decode_data_keys,
     decode_metadata,
     meta_key,
+    parse_meta_key,
     spare_key,
     spare_prefix,
 )
@@ -86,10 +90,14 @@ class GcReport:
     #: that never committed, ``<checkpoint id>/<save id> (orphaned)`` for data that no
     #: checkpoint and no save in progress refers to.
     removed_incomplete: list[str] = field(default_factory=list)
-    #: Data keys deleted, of all the above together (spares kept for reuse are not counted).
-    #: In a dry run, the keys found that would be deleted: a checkpoint that a reader is
-    #: loading keeps its data until the reader finishes, so a real run may delete fewer now.
+    #: Keys deleted, of all the above together and of the spares (``spare_keys``). In a dry
+    #: run, the keys found that would be deleted: a checkpoint that a reader is loading keeps
+    #: its data until the reader finishes, so a real run may delete fewer now.
     deleted_keys: int = 0
+    #: Of ``deleted_keys``, the spares deleted: values that retention kept under
+    #: ``{prefix}/spare/`` for the next save to write over (``Engine.retire_values``), which
+    #: hold memory but belong to no checkpoint.
+    spare_keys: int = 0
     #: True for ``gc(dry_run=True)``: nothing was deleted.
     dry_run: bool = False
 
@@ -99,6 +107,7 @@ class GcReport:
             "deleted_checkpoints": list(self.deleted_checkpoints),
             "removed_incomplete": list(self.removed_incomplete),
             "deleted_keys": self.deleted_keys,
+            "spare_keys": self.spare_keys,
         }
 
 
@@ -205,6 +214,84 @@ def latest_checkpoint(store: str | Engine) -> str | None:
     is created."""
     complete = [i for i in list_checkpoints(store) if i.complete]
     return complete[0].checkpoint_id if complete else None
+
+
+@dataclass(frozen=True)
+class NamespaceInfo:
+    """One namespace (``?prefix=NAME``) of a store, as ``list_namespaces`` reports it."""
+
+    prefix: str
+    #: Its complete checkpoints; None where its index cannot be read (``kvckpt gc`` rebuilds it)
+    checkpoints: int | None
+    #: Their bytes of tensor data; None where only the metadata keys tell the checkpoints
+    total_bytes: int | None
+    #: Whether it has an index (without one, its metadata keys were counted)
+    indexed: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prefix": self.prefix,
+            "checkpoints": self.checkpoints,
+            "total_bytes": self.total_bytes,
+            "indexed": self.indexed,
+        }
+
+
+#: A namespace's bookkeeping key (its index, metadata, leases): ``{NAME}/...``. Data and
+#: spare keys (``NAME/...``) carry no braces, so a scan of names that begin with "{" skips them.
+_BOOKKEEPING = re.compile(r"\{([^{}/]+)\}/.*", re.DOTALL)
+
+
+def list_namespaces(store: str | Engine) -> list[NamespaceInfo]:
+    """The namespaces a store holds, by name, with their complete checkpoints.
+
+    They are found from key names alone: one scan of the names that begin with "{", the
+    namespaces' bookkeeping keys (``{NAME}/index``, ``{NAME}/meta/...``; on Redis one ``SCAN``
+    whose ``MATCH`` pattern leaves data keys out), then each namespace's index, one small
+    value, for its count. No data key is read. A namespace without an index (metadata keys
+    only) counts its metadata keys. The store's own prefix does not matter; a store that does
+    not exist raises ``StoreNotFoundError`` and is not created."""
+    engine = _engine(store)
+    indexed: set[str] = set()
+    metas: dict[str, set[str]] = defaultdict(set)
+    for key in engine.scan("{"):
+        found = _BOOKKEEPING.fullmatch(key)
+        if found is None:
+            continue
+        prefix = found.group(1)
+        if key == index_key(prefix):
+            indexed.add(prefix)
+        elif (parsed := parse_meta_key(prefix, key)) is not None:
+            metas[prefix].add(parsed[0])
+    out = []
+    for prefix in sorted(indexed | set(metas)):
+        if prefix not in indexed:
+            out.append(NamespaceInfo(prefix, len(metas[prefix]), None, indexed=False))
+            continue
+        where = f"namespace {prefix!r} of {engine.url}"
+        try:
+            index = Index.decode(engine.get(index_key(prefix)), where=where)
+            infos = _infos(index, where, False)
+        except MetadataError:
+            out.append(NamespaceInfo(prefix, None, None))
+            continue
+        out.append(NamespaceInfo(prefix, len(infos), sum(i.total_bytes for i in infos)))
+    return out
+
+
+def held_bytes(engine: Engine) -> int | None:
+    """The memory a node-local store's file holds (LMDB: the blocks its data file has
+    allocated), which exceeds ``usage().used_bytes`` by the pages made ready ahead of the next
+    saves (``Engine.get_ready``) and the freed pages LMDB reuses; the file never shrinks.
+    None for other stores."""
+    from .engines.lmdb import LMDBEngine
+
+    if not isinstance(engine, LMDBEngine):
+        return None
+    try:
+        return os.stat(os.path.join(engine.path, "data.mdb")).st_blocks * 512
+    except OSError:
+        return None
 
 
 def _checkpoint_meta_keys(engine: Engine, index: Index, checkpoint_id: str) -> list[str]:
@@ -347,8 +434,9 @@ def gc(
       ``protect``).
     - Saves that started more than ``incomplete_older_than`` ago (seconds or a timedelta) and
       never committed — a writer that crashed — have their data deleted.
-    - ``scan_orphans``: one pass over every data key of the namespace deletes data that no
-      checkpoint and no save in progress refers to, and the spares retention kept for reuse.
+    - ``scan_orphans``: one pass over every data and spare key of the namespace deletes data
+      that no checkpoint and no save in progress refers to, and the spares retention kept for
+      reuse (counted in ``deleted_keys`` and ``spare_keys``).
     - ``reuse``: ``keep_last``'s deletes keep the data as spares for the next save to write
       over, where the engine can (a writer's ``keep_last``; see ``delete_checkpoint``).
     - ``dry_run``: change nothing, and report what would be removed (``GcReport.dry_run``).
@@ -414,23 +502,34 @@ def _remove_incomplete(engine: Engine, index: Index, older_than: float, report: 
         report.removed_incomplete.append(name)
 
 
+def _scan_data_and_spares(engine: Engine) -> tuple[dict[tuple[str, str], list[str]], list[str]]:
+    """One pass over the namespace's data and spare keys: the data keys by (checkpoint id,
+    save id), and the spares."""
+    data_head, spare_head = data_prefix(engine.prefix), spare_prefix(engine.prefix)
+    found: dict[tuple[str, str], list[str]] = defaultdict(list)
+    spares: list[str] = []
+    for key in engine.scan(f"{engine.prefix}/"):  # both heads; bookkeeping keys are "{...}/"
+        if key.startswith(spare_head):
+            spares.append(key)
+        elif key.startswith(data_head) and (save := _data_key_save(engine.prefix, key)):
+            found[save].append(key)
+    return found, spares
+
+
 def _remove_orphans(engine: Engine, report: GcReport) -> None:
     """Delete data that no checkpoint and no save in progress refers to, and the spares."""
     # Scan first, read the index after: a save that starts meanwhile registers as pending
     # before it writes any data, so its keys are seen as referenced.
-    found: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for key in engine.scan(data_prefix(engine.prefix)):
-        save = _data_key_save(engine.prefix, key)
-        if save is not None:
-            found[save].append(key)
+    found, spares = _scan_data_and_spares(engine)
     index = read_index(engine)
     live = index.live_saves(remote=True)
     for save, keys in found.items():
         if save not in live:
             report.deleted_keys += engine.delete(keys)
             report.removed_incomplete.append(f"{save[0]}/{save[1]} (orphaned)")
-    if engine.reuses_values:  # spares are no checkpoint's data: not counted
-        engine.delete_prefix(spare_prefix(engine.prefix))
+    removed = engine.delete(spares)  # a spare a save took over meanwhile is not there to delete
+    report.spare_keys += removed
+    report.deleted_keys += removed
 
 
 def _beyond_keep_last(
@@ -517,17 +616,26 @@ def _gc_dry_run(
                 1 for _ in engine.scan(data_prefix(engine.prefix, cid, save_id))
             )
     if scan_orphans:
-        found: dict[tuple[str, str], int] = defaultdict(int)
-        for key in engine.scan(data_prefix(engine.prefix)):
-            save = _data_key_save(engine.prefix, key)
-            if save is not None:
-                found[save] += 1
+        found, spares = _scan_data_and_spares(engine)
         live = index.live_saves(remote=True)
-        for save, count in found.items():
+        for save, keys in found.items():
             if save not in live:
-                report.deleted_keys += count
+                report.deleted_keys += len(keys)
                 report.removed_incomplete.append(f"{save[0]}/{save[1]} (orphaned)")
+        report.spare_keys += len(spares)
+        report.deleted_keys += len(spares)
     return report
+
+
+def preflight(engine: Engine, nbytes: int) -> None:
+    """``Engine.preflight`` for a write of ``nbytes`` (a save's, a copy's), counting the spares
+    retention kept as room: the write takes their memory over rather than adding to it."""
+    try:
+        engine.preflight(nbytes)
+    except StoreFullError:
+        if not engine.reuses_values:
+            raise
+        engine.preflight(max(0, nbytes - spare_bytes(engine)))
 
 
 def spare_bytes(engine: Engine) -> int:
@@ -546,27 +654,38 @@ def _delete_save_data(engine: Engine, checkpoint_id: str, save_id: str, rank: in
 
 
 def discard_save(engine: Engine, checkpoint_id: str, save_id: str, rank: int | None = None) -> int:
-    """Drop a save that will never commit (a failed save, a failed copy of ``Tiers``): its
-    pending entry first, so that it can no longer commit, then its data (one rank's, for a
-    rank-local save) and its write lease, as ``gc`` does for a crashed writer's save, so it is
-    not listed as incomplete until the next ``gc``. Returns the number of data keys deleted.
+    """Drop a save that will never commit (a failed save, a failed copy of ``Tiers``): its data
+    (one rank's, for a rank-local save), its pending entry and its write lease, as ``gc`` does
+    for a crashed writer's save, so it is not listed as incomplete until the next ``gc``.
+    Returns the number of data keys deleted.
+
+    The data goes first. A save that failed because the store is full leaves it full, and a
+    full Redis refuses every write but never a delete: deleting the data frees the memory the
+    save took, and the bookkeeping after it, which only shrinks (``RedisEngine.transact`` runs
+    such a transaction even at ``maxmemory``), then succeeds. Only the writer of this save
+    could commit it, and it is the one giving up.
 
     A save that the index records as committed (or retired, with readers) keeps its data: a
     caller that took its commit for failed (its reply lost on the way) must not delete what a
     committed checkpoint names."""
-    committed = [False]
 
-    def drop(idx: Index) -> None:
-        idx.pending.pop(pending_name(checkpoint_id, save_id, rank), None)
-        committed[0] = any(
+    def committed(idx: Index) -> bool:
+        return any(
             e.get("checkpoint_id") == checkpoint_id and e.get("save_id") == save_id
             for e in (*idx.checkpoints.values(), *idx.retired.values())
         )
 
-    update_index(engine, drop)
-    if committed[0]:
+    if committed(read_index(engine)):
         return 0
-    return _delete_save_data(engine, checkpoint_id, save_id, rank)
+    head = data_prefix(engine.prefix, checkpoint_id, save_id)
+    deleted = engine.delete_prefix(head if rank is None else f"{head}{rank}/")
+
+    def drop(idx: Index) -> bool:
+        return idx.pending.pop(pending_name(checkpoint_id, save_id, rank), None) is not None
+
+    update_index(engine, drop)
+    release_lease(engine, checkpoint_id, save_id, rank)
+    return deleted
 
 
 #: ``gc(..., incomplete_older_than=NEVER)`` leaves every pending save alone.

@@ -67,6 +67,8 @@ from .stores import open_store
 logger = logging.getLogger(__name__)
 
 _DEFAULT_BATCH_BYTES = 256 << 20
+#: Seconds of a read lease (``KVStorageReader(lease=)``).
+_DEFAULT_LEASE = 60.0
 _HOST_ALIGN = 64
 
 
@@ -92,7 +94,10 @@ class KVStorageReader(KVStorageBase, StorageReader):
             (it renews between batches). While one is held, retention (``keep_last``, ``gc``,
             ``delete_checkpoint``) and re-saves of the id remove the metadata at once but leave
             the data in place until the load is done; a reader that crashed holds it no longer
-            than this.
+            than this. False (or URL option ``read_lease=0``) reads without one, as a load does
+            anyway where the store refuses the lease's small write (a replica, a full Redis, a
+            user limited to reads, a read-only LMDB directory): a value that retention deletes
+            mid-read then fails the load with an error naming the checkpoint (load again).
     """
 
     def __init__(
@@ -103,7 +108,7 @@ class KVStorageReader(KVStorageBase, StorageReader):
         weights_only: bool = True,
         verify: bool | None = None,
         batch_bytes: int = _DEFAULT_BATCH_BYTES,
-        lease: float = 60.0,
+        lease: float | bool = 60.0,
         save_id: str | None = None,
     ) -> None:
         super().__init__()
@@ -114,7 +119,7 @@ class KVStorageReader(KVStorageBase, StorageReader):
         self.verify = verify is not False
         self.batch_bytes = batch_bytes
         self._host: torch.Tensor | None = None  # host staging for GPU-bound reads
-        self.lease = lease
+        self.lease: float = _DEFAULT_LEASE if lease is True else float(lease)
         self.load_id = new_save_id()
         self._record: CheckpointRecord | None = None
         self._lease: contextlib.AbstractContextManager[Callable[[], None]] | None = None

@@ -236,7 +236,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         process_group: dist.ProcessGroup | None = None,
         weights_only: bool = True,
         verify: bool | None = None,
-        lease: float = 60.0,
+        lease: float | bool = 60.0,
     ) -> None:
         super().__init__()
         if not stores:
@@ -254,7 +254,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         self.options: dict[str, Any] = dict(
             weights_only=weights_only, verify=True if verify is None else verify
         )
-        self.lease = lease
+        self.lease: float = 60.0 if lease is True else float(lease)
         self.load_id = new_save_id()
         self.stats = RestoreStats()
         self._record: CheckpointRecord | None = None

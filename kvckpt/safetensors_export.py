@@ -29,10 +29,10 @@ from typing import Any, BinaryIO
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .dcp_files import first_missing, load_in_process, not_empty, undo_export, unwritable
 from .engines.base import Engine
 from .errors import KVCheckpointError
 from .stores import open_store
-from .transfer import first_missing, load_in_process, undo_export
 
 #: The index file ``transformers`` reads to find a sharded model's files.
 INDEX_NAME = "model.safetensors.index.json"
@@ -110,7 +110,8 @@ def export_safetensors(
     ``directory`` must be new or empty. Files are named ``model-00001-of-0000N.safetensors``,
     and ``model.safetensors.index.json`` maps each name to its file. Objects (non-tensor
     items) have no place in safetensors and are left out. A failed export removes what it
-    wrote. Returns ``directory``."""
+    wrote. A directory that is not empty, or that cannot be created or written, raises
+    ``UnwritablePathError`` naming it. Returns ``directory``."""
     engine = open_store(store, create=False)
     out = Path(directory)
     written = _written_dtype(dtype)
@@ -121,17 +122,18 @@ def export_safetensors(
     metadata = KVStorageReader(engine, checkpoint_id=checkpoint_id).read_metadata()
     tensors = _select(metadata.state_dict_metadata, checkpoint_id, prefix, include, written)
     shards = _shards(tensors, max_shard_bytes)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise KVCheckpointError(
-            f"cannot export checkpoint {checkpoint_id!r} to {out}: it is not an empty "
-            "directory; choose a new one"
-        )
     created = first_missing(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        used = any(out.iterdir())
+    except OSError as e:
+        raise unwritable(checkpoint_id, out, e) from None
+    if used:
+        raise not_empty(checkpoint_id, out)
     names = [
         out / f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, 1 + len(shards))
     ]
     try:
-        out.mkdir(parents=True, exist_ok=True)
         # One batch of tensors in memory at a time, of at most the largest tensor's bytes.
         budget = max(t.slot_bytes for t in tensors)
         for shard, name in zip(shards, names, strict=True):
@@ -142,8 +144,10 @@ def export_safetensors(
             "weight_map": weight_map,
         }
         (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    except BaseException:
+    except BaseException as e:
         undo_export(out, created)
+        if isinstance(e, OSError) and not isinstance(e, KVCheckpointError):
+            raise unwritable(checkpoint_id, out, e) from e
         raise
     return out
 

@@ -63,8 +63,10 @@ from .catalog import (
     unregister,
 )
 from .choice import DURABLE_INFO, Restore, choose_newest, lists_save
+from .copying import copy_values
+from .dcp_files import DirectoryReader, export_checkpoint
 from .engines.base import Engine
-from .errors import KVCheckpointError, ReplicationError
+from .errors import KVCheckpointError, ReplicationError, UnsafeStoreError
 from .format import (
     CheckpointRecord,
     ItemLocation,
@@ -76,7 +78,6 @@ from .node import node_id, run_in_background, spare_cores
 from .reader import KVStorageReader
 from .restore import RestoreStats, TieredStorageReader
 from .stores import open_store
-from .transfer import DirectoryReader, copy_values, export_checkpoint
 from .writer import KVStorageWriter, SavePlanData
 
 logger = logging.getLogger(__name__)
@@ -233,6 +234,8 @@ class Tiers:
         with self._lock:
             errors, self._errors = list(self._errors.values()), {}
         if errors:
+            if isinstance(errors[0], UnsafeStoreError):
+                raise errors[0]  # a store configured to lose data: what to fix, as it is
             raise ReplicationError(
                 f"{len(errors)} background cop{'y' if len(errors) == 1 else 'ies'} failed; "
                 f"the first: {errors[0]}"
@@ -306,6 +309,7 @@ class Tiers:
         ok = []
         for i, engine in enumerate(self.engines[1:], 1):
             try:
+                engine.refuse_unsafe()  # a Redis that may evict: nothing is written there
                 mark_pending(engine, checkpoint_id, save_id, None, lease)
                 ok.append(i)
             except KVCheckpointError as e:
@@ -313,10 +317,13 @@ class Tiers:
                 logger.warning(
                     "checkpoint %r will not be copied to %s: %s", checkpoint_id, engine.url, e
                 )
+                refused = (
+                    e
+                    if isinstance(e, UnsafeStoreError)
+                    else ReplicationError(f"checkpoint {checkpoint_id!r} not copied: {e}")
+                )
                 with self._lock:
-                    self._errors.setdefault(
-                        save_id, ReplicationError(f"checkpoint {checkpoint_id!r} not copied: {e}")
-                    )
+                    self._errors.setdefault(save_id, refused)
         return tuple(ok)
 
     def _copy_keys(
@@ -558,6 +565,7 @@ class Tiers:
             missing = _not_held(dst, record, mine)
             if not missing and (not whole or lists_save(dst, choice)):
                 return None
+            dst.refuse_unsafe()
             mark_pending(dst, checkpoint_id, save_id, None, self.replicate_timeout)
             phase = events.Phase("prefetch", "copy", checkpoint_id, src.url, tier=choice.tier)
             try:

@@ -74,6 +74,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         f"kvckpt.torchtitan needs torchtitan 0.3.x: pip install 'kvckpt[torchtitan]' ({e})"
     ) from e
 
+from .dcp_files import DirectoryReader
 from .errors import (
     CheckpointNotFoundError,
     KVCheckpointError,
@@ -86,7 +87,6 @@ from .reader import KVStorageReader
 from .staging import background_stager
 from .stores import BUILTIN_SCHEMES, ENTRY_POINT_GROUP, open_store
 from .tiered import Tiers
-from .transfer import DirectoryReader
 from .urls import mask_url
 from .writer import KVStorageWriter
 

@@ -61,7 +61,7 @@ from .format import (
     part_ranges,
     spare_key,
 )
-from .manage import NEVER, discard_save, spare_bytes
+from .manage import NEVER, discard_save, list_checkpoints, preflight
 from .manage import gc as collect_garbage  # not the standard library's gc
 from .node import node_id
 from .staging import accelerator_available, advise_huge_pages
@@ -380,6 +380,7 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
                     "overwrite=True"
                 )
         if not self.use_collectives:
+            self.engine.refuse_unsafe()  # before the save's first write, its registration
             mark_pending(self.engine, checkpoint_id, self.save_id, self.rank or 0, self.lease)
             plan = dataclasses.replace(
                 plan, storage_data=SavePlanData(self.save_id, self.rank or 0, self._session_id())
@@ -395,7 +396,9 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         coordinator_store: str | None = None
         coordinator_saves: tuple[tuple[str, str], ...] = ()
         if self.use_collectives:
-            # Registered before any rank writes data, so gc never mistakes it for garbage.
+            # Registered before any rank writes data, so gc never mistakes it for garbage;
+            # a store that may lose data is refused before this first write.
+            self.engine.refuse_unsafe()
             mark_pending(self.engine, self._require_id(), self.save_id, None, self.lease)
             session = self._session_id()
             coordinator_store = _store_identity(self.engine)
@@ -474,13 +477,41 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         returns that share's bytes."""
         planned = sum(_planned_bytes(item) for item in plan.items)
         try:
-            self.engine.preflight(planned)
-        except StoreFullError:
-            if not self.engine.reuses_values:
-                raise
-            # The spares retention kept are memory this save writes over, not adds to.
-            self.engine.preflight(max(0, planned - spare_bytes(self.engine)))
+            preflight(self.engine, planned)
+        except StoreFullError as e:
+            raise self._with_retention_hint(e, planned) from None
         return planned
+
+    def _with_retention_hint(self, error: StoreFullError, planned: int) -> StoreFullError:
+        """Where the checkpoints that ``keep_last`` deletes once this save commits would make
+        room for it, say so: retention runs after a commit (the newest checkpoint is never
+        deleted before the next one exists), so a store sized for exactly ``keep_last``
+        checkpoints has no room for the one being written."""
+        if self.keep_last is None:
+            return error
+        try:
+            usage = self.engine.usage()
+            others = [
+                c
+                for c in list_checkpoints(self.engine)
+                if c.checkpoint_id != self.checkpoint_id and not c.rank_local
+            ]
+        except KVCheckpointError:
+            return error
+        if usage.limit_bytes is None or usage.used_bytes is None:
+            return error
+        retired = others[self.keep_last - 1 :]  # newest first: the newest keep_last - 1 stay
+        freed = sum(c.total_bytes for c in retired)
+        if not retired or usage.limit_bytes - usage.used_bytes + freed < planned:
+            return error
+        names = ", ".join(repr(c.checkpoint_id) for c in retired[:5])
+        names += f" and {len(retired) - 5} more" if len(retired) > 5 else ""
+        return StoreFullError(
+            f"{error} Retention would make room: keep_last={self.keep_last} deletes {names} "
+            f"({freed} bytes) once this save commits, but the save needs the room before. "
+            f"Delete them now (kvckpt rm {self.engine.url} ID), leaving fewer checkpoints "
+            "while this one is written, or give the store room for keep_last + 1 checkpoints."
+        )
 
     def _write(
         self,

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,9 +16,10 @@ import torch.distributed.checkpoint as dcp
 
 from kvckpt import KVStorageReader, KVStorageWriter, open_store
 from kvckpt.cli import human_bytes
+from kvckpt.cli_common import count
 from tests.conftest import free_port
 
-from ._cli import run
+from ._cli import ROOT, run
 
 
 def save(url: str, cid: str) -> None:
@@ -28,6 +35,33 @@ def test_human_sizes() -> None:
     assert human_bytes(2048) == "2.0 KiB"
     assert human_bytes(3 * 2**20) == "3.0 MiB"
     assert human_bytes(5 * 2**30) == "5.0 GiB"
+
+
+def test_counts_take_the_number_of_their_noun() -> None:
+    assert count(1, "key") == "1 key" and count(0, "key") == "0 keys"
+    assert count(2, "problem") == "2 problems" and count(3, "entry", "entries") == "3 entries"
+
+
+def test_output_says_1_of_a_thing_in_the_singular(lmdb_url: str, tmp_path: Path) -> None:
+    dcp.save({"w": torch.ones(4)}, storage_writer=KVStorageWriter(lmdb_url), checkpoint_id="one")
+    info = run("info", lmdb_url, "one").stdout
+    assert "16 B in 1 item" in info, info
+    ok = run("verify", lmdb_url, "one").stdout
+    assert "one: OK (1 key, 16 B)" in ok, ok
+    assert run("export", lmdb_url, "one", str(tmp_path / "dcp")).returncode == 0
+    imported = run("import", str(tmp_path / "dcp"), lmdb_url, "again")
+    assert "(1 item, 16 B)" in imported.stdout, imported.stdout
+    engine = open_store(lmdb_url)
+    (key,) = engine.scan(f"{engine.prefix}/data/one/")
+    engine.put_many([(key, b"x")])
+    bad = run("verify", lmdb_url, "one")
+    assert bad.returncode == 1, bad.stdout
+    assert "holds 1 byte, expected 16 bytes" in bad.stdout, bad.stdout
+    assert "one: FAILED (1 problem in 1 key)" in bad.stdout, bad.stdout
+    rm = run("rm", lmdb_url, "one").stdout
+    assert "deleted one (1 data key)" in rm, rm
+    gc = run("gc", lmdb_url).stdout
+    assert "0 data keys deleted" in gc, gc
 
 
 @pytest.mark.parametrize(
@@ -150,8 +184,11 @@ def test_stats_shows_checkpoints_bytes_and_the_stores_memory(
     assert doc["checkpoints"] == 2 and doc["checkpoint_bytes"] == 2 * size
     assert doc["used_bytes"] >= 2 * size and doc["limit_bytes"] > doc["used_bytes"]
     assert "free space" in doc["limit_from"]
+    assert [c["checkpoint_id"] for c in doc["checkpoint_list"]] == ["step-2", "step-1"]
+    assert doc["held_bytes"] >= doc["used_bytes"]  # its data file's blocks
     text = run("stats", lmdb_url).stdout
     assert "checkpoints  2," in text and "in use, of " in text and "step-2" in text
+    assert "memory held  " in text
 
     url = redis_server.url(db=3)
     save(url, "step-1")
@@ -159,6 +196,10 @@ def test_stats_shows_checkpoints_bytes_and_the_stores_memory(
     client.config_set("maxmemory", "0")
     doc = json.loads(run("stats", url, "--json").stdout)
     assert doc["used_bytes"] > size and doc["limit_bytes"] is None
+    assert doc["held_bytes"] is None and [c["checkpoint_id"] for c in doc["checkpoint_list"]] == [
+        "step-1"
+    ]
+    assert "memory held" not in run("stats", url).stdout
     client.config_set("maxmemory", str(1 << 30))
     try:
         doc = json.loads(run("stats", url, "--json").stdout)
@@ -167,3 +208,48 @@ def test_stats_shows_checkpoints_bytes_and_the_stores_memory(
         client.config_set("maxmemory", "0")
     missing = run("stats", f"lmdb://{tmp_path / 'nothing'}")
     assert missing.returncode == 3 and not (tmp_path / "nothing").exists()
+
+
+def test_stats_says_what_memory_the_lmdb_file_holds() -> None:
+    """On a tmpfs, LMDB's file holds more than the pages in use (pages made ready ahead of the
+    next saves): stats says how much and why, and --json carries it with the table."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    from kvckpt.engines._pages import _on_tmpfs
+
+    store = Path(tempfile.mkdtemp(prefix="kvckpt-test-stats-", dir="/dev/shm"))
+    try:
+        if not _on_tmpfs(str(store)):
+            pytest.skip("/dev/shm is not a tmpfs here")
+        url = f"lmdb://{store}"
+        # saved by a process of its own, so no background fault-in is still at work here
+        script = textwrap.dedent(
+            f"""
+            import torch, torch.distributed.checkpoint as dcp
+            from kvckpt import KVStorageWriter
+            for cid in ("s0", "s1"):
+                dcp.save({{"w": torch.ones(2 << 20)}}, checkpoint_id=cid,
+                         storage_writer=KVStorageWriter({url!r}, keep_last=2))
+            """
+        )
+        saved = subprocess.run(
+            [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert saved.returncode == 0, saved.stderr
+        doc = json.loads(run("stats", url, "--json").stdout)
+        held = os.stat(store / "data.mdb").st_blocks * 512
+        assert doc["held_bytes"] == held and held > doc["used_bytes"] > 16 << 20, doc
+        assert [c["checkpoint_id"] for c in doc["checkpoint_list"]] == ["s1", "s0"]
+        assert all(
+            c["total_bytes"] == 8 << 20 and c["num_items"] == 1 for c in doc["checkpoint_list"]
+        )
+        text = run("stats", url).stdout
+        beyond = human_bytes(held - doc["used_bytes"])
+        assert (
+            f"memory held  {human_bytes(held)} by the store's file: {beyond} more than in use"
+            in text
+        )
+        assert "pages made ready ahead of the next saves" in text, text
+        assert "s1" in text and "8.0 MiB" in text
+    finally:
+        subprocess.run(["rm", "-rf", str(store)], check=False)

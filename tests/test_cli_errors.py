@@ -4,6 +4,7 @@ every command, gc --dry-run, and a command line that lists without importing tor
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -213,6 +214,56 @@ def test_exit_codes_of_the_command_line(lmdb_url: str, tmp_path: Path) -> None:
     blocker.write_text("")
     unwritable = run("export", lmdb_url, "s", str(blocker / "out"))
     assert unwritable.returncode == 6, unwritable.stderr
+
+
+def test_every_write_path_error_exits_6_naming_the_path_and_the_fix(
+    lmdb_url: str, tmp_path: Path
+) -> None:
+    """Export into a directory that holds files, a safetensors export or a store under a
+    path that cannot be created (under a regular file; /proc): each is a destination that
+    cannot be written (exit 6), and says which path and what to do."""
+    save(lmdb_url, "s")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep").write_text("x")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    dcp_dir = tmp_path / "dcp"
+    assert run("export", lmdb_url, "s", str(dcp_dir)).returncode == 0
+    cases = [
+        (("export", lmdb_url, "s", str(full)), full, "choose a new or empty directory"),
+        (
+            ("export", lmdb_url, "s", str(full), "--format", "safetensors", "--prefix", ""),
+            full,
+            "choose a new or empty directory",
+        ),
+        (
+            (
+                "export",
+                lmdb_url,
+                "s",
+                str(blocker / "hf"),
+                "--format",
+                "safetensors",
+                "--prefix",
+                "",
+            ),
+            blocker / "hf",
+            "choose a path you can write to",
+        ),
+        (("torch-save", lmdb_url, "s", str(blocker / "m.pt")), blocker / "m.pt", "choose a path"),
+        (("copy", lmdb_url, "s", "lmdb:///proc/kvstore"), "/proc/kvstore", "choose a store path"),
+        (("copy", lmdb_url, "s", f"lmdb://{blocker}/store"), blocker, "choose a store path"),
+        (("import", str(dcp_dir), "lmdb:///proc/kvstore", "i"), "/proc/kvstore", "choose a store"),
+    ]
+    for args, path, fix in cases:
+        result = run(*args)
+        assert result.returncode == 6, (args, result.stderr)
+        assert str(path) in result.stderr and fix in result.stderr, (args, result.stderr)
+        assert "'s'" in result.stderr or "'i'" in result.stderr, (args, result.stderr)
+        assert "[Errno" not in result.stderr, (args, result.stderr)
+    assert [p.name for p in full.iterdir()] == ["keep"]
+    assert not (blocker.parent / "hf").exists() and not os.path.exists("/proc/kvstore")
 
 
 # -- --json on every command, gc --dry-run ------------------------------------------------

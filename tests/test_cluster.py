@@ -27,7 +27,7 @@ from kvckpt import (
 from kvckpt.catalog import index_key, lease_key
 from kvckpt.format import data_prefix, meta_key
 from kvckpt.testing import RedisClusterProcesses
-from kvckpt.transfer import verify
+from kvckpt.verify import verify
 from tests import _dist
 from tests._spawn import spawn
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import kvckpt.transfer
+import kvckpt.verify
 from kvckpt import (
     IntegrityError,
     KVCheckpointError,
@@ -29,14 +29,10 @@ from kvckpt import (
     open_store,
 )
 from kvckpt.catalog import read_index
+from kvckpt.copying import copy_checkpoint
+from kvckpt.dcp_files import export_checkpoint, import_checkpoint, torch_save_checkpoint
 from kvckpt.format import data_prefix
-from kvckpt.transfer import (
-    copy_checkpoint,
-    export_checkpoint,
-    import_checkpoint,
-    torch_save_checkpoint,
-    verify,
-)
+from kvckpt.verify import verify
 
 from ._cli import run
 
@@ -93,7 +89,7 @@ def test_copy_of_a_corrupted_checkpoint_fails_and_leaves_nothing(
     src, dst = (redis_url, lmdb_url) if source == "redis" else (lmdb_url, redis_url)
     save(src, "step-1", checksums=True)
     key = corrupt(src, "step-1")
-    monkeypatch.setattr(kvckpt.transfer, "_BATCH_BYTES", 1024)  # earlier items are written first
+    monkeypatch.setattr(kvckpt.verify, "_BATCH_BYTES", 1024)  # earlier items are written first
     with pytest.raises(IntegrityError) as info:
         copy_checkpoint(src, "step-1", dst)
     message = str(info.value)
@@ -209,7 +205,7 @@ def test_export_of_a_corrupted_checkpoint_fails_and_leaves_no_directory(
     key = loc.keys(good.prefix, "step-1", record.save_id)[0]
     original = good.get(key)
     assert corrupt(redis_url, "step-1") == key
-    monkeypatch.setattr(kvckpt.transfer, "_BATCH_BYTES", 1024)  # earlier items are written first
+    monkeypatch.setattr(kvckpt.verify, "_BATCH_BYTES", 1024)  # earlier items are written first
     out = tmp_path / "new" / "step-1"
     with pytest.raises(IntegrityError, match=f"'step-1' in .* {re.escape(repr(key))}"):
         export_checkpoint(redis_url, "step-1", out)

@@ -26,6 +26,8 @@ from kvckpt import (
     list_checkpoints,
     open_store,
 )
+from kvckpt.copying import copy_checkpoint
+from kvckpt.dcp_files import export_checkpoint
 from kvckpt.format import (
     FORMAT_VERSION,
     ITEM_NAME,
@@ -40,7 +42,7 @@ from kvckpt.format import (
     item_name,
     spare_key,
 )
-from kvckpt.transfer import copy_checkpoint, export_checkpoint, read_items, verify
+from kvckpt.verify import read_items, verify
 from tests.fixtures.make_format1 import state
 from tests.test_dcp import assert_bit_equal, zeros_like_sd
 from tests.test_format import SAVE_ID, sample

@@ -292,7 +292,7 @@ def test_a_copy_into_a_new_store_makes_room_once_for_all_its_batches(
     """A copy between stores (``Tiers.prefetch``, replica copies) arrives in small batches; the
     destination reserves room for all of them first, so no batch grows the map or allocates
     its pages on its own."""
-    from kvckpt import transfer
+    from kvckpt import copying
 
     src_url, dst_url = f"lmdb://{shm_dir}/src", f"lmdb://{shm_dir}/dst"
     sd = {f"t{i}": torch.full((24 * MIB // 4,), float(i)) for i in range(4)}  # 96 MiB
@@ -306,9 +306,9 @@ def test_a_copy_into_a_new_store_makes_room_once_for_all_its_batches(
     monkeypatch.setattr(
         LMDBEngine, "reserve", lambda self, n: (reserved.append(n), reserve(self, n))
     )
-    monkeypatch.setattr(transfer, "_COPY_BATCH", 16 * MIB)  # several batches
+    monkeypatch.setattr(copying, "_COPY_BATCH", 16 * MIB)  # several batches
     locations = list(record.locations.values())
-    transfer.copy_values(src, [dst], "c", record.save_id, locations, lambda: None)
+    copying.copy_values(src, [dst], "c", record.save_id, locations, lambda: None)
 
     assert reserved == [sum(loc.nbytes for loc in locations)]
     assert len(remaps) <= 1  # at most the one growth, before the first batch

@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 import kvckpt
 from kvckpt import KVStorageReader, KVStorageWriter
 from kvckpt.testing import DroppingProxy, RedisServer
-from kvckpt.transfer import verify
+from kvckpt.verify import verify
 
 
 @pytest.fixture

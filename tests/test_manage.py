@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -20,7 +21,11 @@ from kvckpt import (
     open_store,
 )
 from kvckpt.catalog import index_key, mark_pending, read_index
-from kvckpt.format import data_prefix
+from kvckpt.format import data_prefix, spare_prefix
+from kvckpt.testing import RedisServer
+from kvckpt.verify import verify
+
+from ._cli import run
 
 
 def save(url: str, cid: str, value: float = 1.0, **kw) -> None:
@@ -102,6 +107,37 @@ def test_gc_removes_orphans_without_pending_entry(store_url: str) -> None:
     out = {"w": torch.zeros(256), "step": 0}
     dcp.load(out, storage_reader=KVStorageReader(store_url), checkpoint_id="good")
     assert out["step"] == 1
+
+
+def test_gc_counts_and_reports_the_spares_it_deletes(
+    redis_server: RedisServer, redis_url: str
+) -> None:
+    """Retention on Redis keeps a dropped checkpoint's values as spares ({prefix}/spare/...):
+    gc deletes them, and says so, in a dry run (deleting nothing) and in a real one."""
+    state = {"big": torch.rand(int(5.5 * (1 << 20)) // 4), "small": torch.arange(100.0)}
+    for cid in ("s0", "s1"):
+        dcp.save(state, storage_writer=KVStorageWriter(redis_url, keep_last=1), checkpoint_id=cid)
+    client = redis_server.client()
+    spares = list(client.scan_iter(match=f"{spare_prefix('kvckpt')}*"))
+    assert len(spares) >= 2
+    before = sorted(client.scan_iter())
+
+    planned = json.loads(run("gc", redis_url, "--dry-run", "--json").stdout)
+    assert planned["dry_run"] is True
+    assert planned["spare_keys"] == len(spares) and planned["deleted_keys"] == len(spares)
+    text = run("gc", redis_url, "--dry-run").stdout
+    assert f"would delete {len(spares)} spare keys" in text, text
+    assert f"0 data keys and {len(spares)} spare keys would be deleted" in text, text
+    assert sorted(client.scan_iter()) == before  # the dry runs deleted nothing
+
+    done = json.loads(run("gc", redis_url, "--json").stdout)
+    assert done["spare_keys"] == len(spares) and done["deleted_keys"] == len(spares)
+    assert list(client.scan_iter(match=f"{spare_prefix('kvckpt')}*")) == []
+    assert [i.checkpoint_id for i in list_checkpoints(redis_url)] == ["s1"]
+    assert verify(redis_url, "s1").ok
+    again = run("gc", redis_url)
+    assert again.returncode == 0 and "0 data keys deleted" in again.stdout, again.stdout
+    assert "spare" not in again.stdout
 
 
 def test_delete(store_url: str) -> None:
@@ -207,7 +243,9 @@ def test_read_only_operations_never_create_an_lmdb_store(tmp_path) -> None:
     """Reading a store that is not there (`kvckpt ls lmdb:///some/typo`) is an error naming
     the path, and creates nothing."""
     from kvckpt import StoreNotFoundError
-    from kvckpt.transfer import copy_checkpoint, export_checkpoint, torch_save_checkpoint, verify
+    from kvckpt.copying import copy_checkpoint
+    from kvckpt.dcp_files import export_checkpoint, torch_save_checkpoint
+    from kvckpt.verify import verify
 
     missing = tmp_path / "typo"
     empty = tmp_path / "empty"  # a directory, but no store in it

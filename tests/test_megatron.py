@@ -29,6 +29,7 @@ from megatron.core.safe_globals import SAFE_GLOBALS
 
 import kvckpt
 from kvckpt import open_store
+from kvckpt.copying import copy_checkpoint
 from kvckpt.errors import InvalidCheckpointIdError, MetadataError, UnsafeObjectError
 from kvckpt.megatron import (
     COMMON_FQN,
@@ -41,7 +42,7 @@ from kvckpt.megatron import (
 )
 from kvckpt.megatron import save as kvm_save
 from kvckpt.testing import RedisServer, free_port
-from kvckpt.transfer import copy_checkpoint, verify
+from kvckpt.verify import verify
 from tests import _megatron_ranks as ranks
 from tests._errors import load_fails
 from tests._spawn import RanksHung, spawn

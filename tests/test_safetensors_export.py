@@ -17,6 +17,7 @@ from kvckpt import (
     KVCheckpointError,
     KVStorageReader,
     KVStorageWriter,
+    UnwritablePathError,
     export_safetensors,
     open_store,
 )
@@ -114,7 +115,7 @@ def test_bad_requests_and_corruption_leave_nothing(lmdb_url: str, tmp_path: Path
     assert not (tmp_path / "a").exists()
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
-    with pytest.raises(KVCheckpointError, match="not an empty directory"):
+    with pytest.raises(UnwritablePathError, match="the directory is not empty; choose a new"):
         export_safetensors(lmdb_url, "s", tmp_path / "full")
     engine = open_store(lmdb_url)
     record = KVStorageReader(engine, checkpoint_id="s").read_record()

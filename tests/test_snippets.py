@@ -34,7 +34,7 @@ from kvckpt.engines.lmdb import close_idle_environments
 from kvckpt.testing import RedisServer, free_port
 
 ROOT = Path(__file__).parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # docs/reference/ too
 FENCE = re.compile(
     r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S
 )
@@ -73,12 +73,16 @@ RUNNABLE = [s for s in ALL if not s.fragment]
 
 def test_the_docs_have_runnable_blocks_and_marked_fragments() -> None:
     """The extraction finds what it should: the README's quick start, the tutorial's steps and
-    training script, the TIERS.md script, and fragments that say what they leave out."""
+    training script (every block of the tutorial runs, its export to safetensors too), the
+    TIERS.md script, and fragments that say what they leave out."""
     runnable = {s.id for s in RUNNABLE}
     assert any(i.startswith("README.md:") for i in runnable), runnable
     assert any(
         s.id.startswith("docs/TUTORIAL.md:") and "tiers.restore(" in s.code for s in RUNNABLE
     ), runnable
+    tutorial = [s for s in ALL if s.id.startswith("docs/TUTORIAL.md:")]
+    assert tutorial and not [s.id for s in tutorial if s.fragment]  # "every block runs"
+    assert any("export_safetensors(" in s.code for s in tutorial), runnable  # step 5
     assert any(i.startswith("docs/TIERS.md:") for i in runnable), runnable
     assert any(i.startswith("docs/index.md:") for i in runnable), runnable
     for s in ALL:

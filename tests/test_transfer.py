@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import subprocess
 import sys
@@ -15,20 +16,25 @@ from kvckpt import (
     KVStorageReader,
     KVStorageWriter,
     MetadataError,
+    StoreFullError,
+    UnsafeStoreError,
+    UnwritablePathError,
     list_checkpoints,
     open_store,
 )
-from kvckpt.transfer import (
-    copy_checkpoint,
+from kvckpt.copying import copy_checkpoint
+from kvckpt.dcp_files import (
     export_checkpoint,
     import_checkpoint,
     read_dcp_metadata,
     torch_save_checkpoint,
-    verify,
 )
+from kvckpt.verify import verify
 from tests import _dist
 from tests._spawn import spawn
 from tests.test_dcp import assert_bit_equal, mixed_state_dict, zeros_like_sd
+
+from ._cli import run
 
 
 def test_verify_ok_then_detects_missing_and_wrong_size(store_url: str) -> None:
@@ -124,8 +130,53 @@ def test_export_refuses_non_empty_directory(store_url: str, tmp_path) -> None:
     dcp.save({"a": torch.ones(1)}, storage_writer=KVStorageWriter(store_url), checkpoint_id="e")
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "f").write_text("keep me")
-    with pytest.raises(Exception, match="not empty"):
+    with pytest.raises(UnwritablePathError, match="not empty; choose a new or empty directory"):
         export_checkpoint(store_url, "e", tmp_path / "x")
+    assert [p.name for p in (tmp_path / "x").iterdir()] == ["f"]
+
+
+def test_copy_and_import_into_a_redis_that_may_evict_write_nothing(
+    lmdb_url: str, server, tmp_path
+) -> None:
+    """A Redis whose maxmemory-policy can evict keys takes no copy and no import, as it takes
+    no save: refused before the first write (exit 6), unless the URL accepts the risk."""
+    srv = server()
+    client = srv.client()
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    dcp.save(mixed_state_dict(), storage_writer=KVStorageWriter(lmdb_url), checkpoint_id="c")
+    exported = export_checkpoint(lmdb_url, "c", tmp_path / "dcp")
+    with pytest.raises(UnsafeStoreError, match="allkeys-lru"):
+        copy_checkpoint(lmdb_url, "c", srv.url())
+    with pytest.raises(UnsafeStoreError, match="allkeys-lru"):
+        import_checkpoint(exported, srv.url(), "i")
+    assert client.dbsize() == 0
+    for args in (("copy", lmdb_url, "c", srv.url()), ("import", str(exported), srv.url(), "i")):
+        result = run(*args, "--json")
+        assert result.returncode == 6, result.stderr
+        message = json.loads(result.stdout)["error"]
+        assert "maxmemory-policy 'allkeys-lru'" in message and "allow_eviction=1" in message
+        assert message in result.stderr
+        assert client.dbsize() == 0, sorted(client.scan_iter())  # not one key, any prefix
+    accepted = srv.url(allow_eviction=1)
+    assert run("copy", lmdb_url, "c", accepted).returncode == 0
+    assert run("import", str(exported), accepted, "i").returncode == 0
+    assert {i.checkpoint_id for i in list_checkpoints(accepted)} == {"c", "i"}
+    assert verify(accepted, "c").ok and verify(accepted, "i").ok
+
+
+def test_copy_and_import_into_a_redis_without_room_write_nothing(lmdb_url: str, server) -> None:
+    srv = server()
+    client = srv.client()
+    state = {"w": torch.rand(1 << 20)}  # 4 MiB
+    dcp.save(state, storage_writer=KVStorageWriter(lmdb_url), checkpoint_id="c")
+    used = int(client.info("memory")["used_memory"])
+    client.config_set("maxmemory", str(used + (1 << 20)))
+    try:
+        with pytest.raises(StoreFullError, match="no room"):
+            copy_checkpoint(lmdb_url, "c", srv.url())
+        assert client.dbsize() == 0
+    finally:
+        client.config_set("maxmemory", "0")
 
 
 def test_import_stock_dcp_saved_at_world_size_2_then_load_at_1(store_url: str, tmp_path) -> None:

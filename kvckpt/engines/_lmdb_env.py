@@ -25,6 +25,14 @@ from ..errors import StoreNotFoundError, StoreUnavailableError
 _KEEP_IDLE = 8
 
 
+def _refused_write(error: BaseException) -> bool:
+    """Whether opening an environment failed for want of write access (EACCES, EROFS)."""
+    if isinstance(error, lmdb.ReadonlyError | PermissionError):
+        return True
+    text = str(error).lower()
+    return "permission denied" in text or "read-only file system" in text
+
+
 def _data_file_identity(path: str) -> tuple[int, int] | None:
     """(st_dev, st_ino) of the store's data file, None if there is none. While an environment
     is open it holds the file open, so no other file can get the same inode number: a
@@ -46,20 +54,34 @@ class _SharedEnv:
     #: (``release_from_finalizer``); the lock's next holder releases them.
     _dropped: list[tuple[str, _SharedEnv]] = []
 
-    def __init__(self, path: str, map_size: int, sync: bool, writemap: bool) -> None:
-        self.writemap = writemap
+    def __init__(
+        self, path: str, map_size: int, sync: bool, writemap: bool, readonly: bool = False
+    ) -> None:
+        self.writemap = writemap and not readonly
         self.data_file = os.path.join(path, "data.mdb")
-        self.env = lmdb.open(
-            path,
-            map_size=self._not_below_the_file(map_size),
-            subdir=True,
-            max_readers=1024,
-            writemap=writemap,
-            sync=sync,
-            metasync=sync,
-            readahead=False,
-            lock=True,
-        )
+        #: Why the environment is open read-only (this process cannot write the directory), or
+        #: None: it is open for writing.
+        self.readonly: str | None = None
+        if readonly:
+            # Without write access there is no lock file to register in; a writer with access
+            # may still change the store under this reader, which the reads' size and
+            # checksum checks catch.
+            self.env = lmdb.open(
+                path, subdir=True, readonly=True, lock=False, readahead=False, max_readers=1024
+            )
+            self.readonly = "this process cannot write its directory"
+        else:
+            self.env = lmdb.open(
+                path,
+                map_size=self._not_below_the_file(map_size),
+                subdir=True,
+                max_readers=1024,
+                writemap=writemap,
+                sync=sync,
+                metasync=sync,
+                readahead=False,
+                lock=True,
+            )
         self.identity = _data_file_identity(path)
         self.refs = 0
         # Serializes this process's writers.
@@ -199,12 +221,26 @@ class _SharedEnv:
                         + ". Check the path in the URL; only a save creates a store."
                     )
                 cls._close_inherited(key)
-                shared = cls._envs[key] = cls(path, **kwargs)
-                shared.env.reader_check()  # clear slots of readers that died (SIGKILL)
+                shared = cls._envs[key] = cls._open(path, create, **kwargs)
             cls._idle.pop(key, None)
             shared.refs += 1
             cls._release_dropped()
             return shared
+
+    @classmethod
+    def _open(cls, path: str, create: bool, **kwargs: Any) -> _SharedEnv:
+        """Open for writing; a caller that creates nothing (a load, ``ls``, ``verify``) gets a
+        read-only environment where the directory cannot be written (permissions, a read-only
+        mount), since reading needs no write access."""
+        try:
+            shared = cls(path, **kwargs)
+        except (OSError, lmdb.Error) as e:
+            if create or not _refused_write(e):
+                raise
+            shared = cls(path, readonly=True, **kwargs)
+        else:
+            shared.env.reader_check()  # clear slots of readers that died (SIGKILL)
+        return shared
 
     @classmethod
     def _close_inherited(cls, key: tuple[int, str]) -> None:

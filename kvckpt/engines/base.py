@@ -99,6 +99,8 @@ class Engine(ABC):
     - ``reuses_values``: whether ``retire_values`` keeps retired values under spare names and
       ``put_many`` takes ``spare_of`` and writes into a spare's memory in place (Redis: fresh
       server memory is what makes a save slow).
+    - ``read_leases``: whether reads take a read lease (the default; URL option
+      ``read_lease=0`` turns it off), which holds off retention while they run.
     - ``hashes_while_writing``: whether ``put_many`` takes ``on_value`` and ``hasher`` and hashes
       each value as it sends it. Saves that record checksums then leave the hashing to the
       engine; without it they hash on a worker thread, which costs a second pass over memory
@@ -112,6 +114,7 @@ class Engine(ABC):
     zero_copy_reads: bool = False
     reuses_values: bool = False
     hashes_while_writing: bool = False
+    read_leases: bool = True
 
     @property
     @abstractmethod
@@ -239,6 +242,11 @@ class Engine(ABC):
 
     def preflight(self, nbytes: int) -> None:  # noqa: B027 - optional hook
         """Before a save writes ``nbytes``: raise if the store cannot take them safely."""
+
+    def refuse_unsafe(self) -> None:  # noqa: B027 - optional hook
+        """Before anything is written (a save's ``preflight`` includes it; a copy, an import,
+        ``Tiers``' copies and prefetches call it): raise ``UnsafeStoreError`` where the store
+        may lose data silently (a Redis that evicts keys)."""
 
     def usage(self) -> StoreUsage:
         """The store's memory: what is in use and the most it can use (``kvckpt stats``).

@@ -24,7 +24,13 @@ from typing import Any
 
 import lmdb
 
-from ..errors import InvalidURLError, StoreFullError, StoreNotFoundError, StoreUnavailableError
+from ..errors import (
+    InvalidURLError,
+    ReadOnlyStoreError,
+    StoreFullError,
+    StoreNotFoundError,
+    StoreUnavailableError,
+)
 from ..urls import (
     DEFAULT_PREFIX,
     parse_bool,
@@ -48,7 +54,15 @@ from ._parallel import HashesAhead, fill
 from .base import BytesLike, Consumer, Engine, Hasher, StoreUsage, Update, ValueCallback
 
 #: The query options of an LMDB URL.
-LMDB_OPTIONS = ("prefix", "map_size", "sync", "writemap", "part_bytes", "txn_bytes")
+LMDB_OPTIONS = (
+    "prefix",
+    "map_size",
+    "sync",
+    "writemap",
+    "part_bytes",
+    "txn_bytes",
+    "read_lease",
+)
 
 _MIB = 1 << 20
 _GIB = 1 << 30
@@ -64,7 +78,7 @@ _DELETE_BATCH = 10_000
 
 class LMDBEngine(Engine):
     """``lmdb:///abs/dir[?prefix=NAME&map_size=1GiB&sync=1&writemap=1&part_bytes=4MiB
-    &txn_bytes=1GiB]``
+    &txn_bytes=1GiB&read_lease=1]``
 
     A save into a warm store is one ``memcpy`` per part, inside LMDB. glibc copies a part
     below its non-temporal threshold (three quarters of the CPU's shared cache) by reading each
@@ -89,6 +103,7 @@ class LMDBEngine(Engine):
         part_bytes: int = _PART_BYTES,
         txn_bytes: int = _TXN_BYTES,
         create: bool = True,
+        read_lease: bool = True,
     ) -> None:
         if not os.path.isabs(path):
             raise InvalidURLError(
@@ -102,6 +117,7 @@ class LMDBEngine(Engine):
         self.txn_bytes = txn_bytes
         #: False for read-only callers: a missing store is an error, never created
         self.create = create
+        self.read_leases = read_lease
         self._shared: _SharedEnv | None = None
         self._pid = os.getpid()
 
@@ -120,6 +136,7 @@ class LMDBEngine(Engine):
             writemap=take_option(opts, "writemap", url, parse_bool, True),
             part_bytes=take_option(opts, "part_bytes", url, parse_size, _PART_BYTES),
             txn_bytes=take_option(opts, "txn_bytes", url, parse_size, _TXN_BYTES),
+            read_lease=take_option(opts, "read_lease", url, parse_bool, True),
         )
         reject_unknown_options(opts, url, "LMDB URL", LMDB_OPTIONS)
         if not parts.path:
@@ -146,6 +163,7 @@ class LMDBEngine(Engine):
                 self.max_value_bytes,
                 self.txn_bytes,
                 self.create,
+                self.read_leases,
             ),
         )
 
@@ -165,6 +183,16 @@ class LMDBEngine(Engine):
                 ) from e
             self._pid = os.getpid()
         return self._shared
+
+    def _writable_env(self) -> _SharedEnv:
+        shared = self._env
+        if shared.readonly is not None:
+            raise ReadOnlyStoreError(
+                f"the LMDB store at {self.path} is open read-only: {shared.readonly} (no write "
+                "permission, or a read-only mount). Loads, ls, info, verify and export work; "
+                "save, rm and gc need a user who can write the directory."
+            )
+        return shared
 
     def close(self) -> None:
         if self._shared is not None and self._pid == os.getpid():
@@ -209,7 +237,7 @@ class LMDBEngine(Engine):
         batch by batch on one thread costs several times more than all of it at once on two."""
         if nbytes <= 0:
             return
-        shared = self._env
+        shared = self._writable_env()
         with shared.write_lock:
             self._grow(shared, nbytes)
             if self._tmpfs:  # elsewhere the pages would be page cache to write back: per batch
@@ -238,6 +266,8 @@ class LMDBEngine(Engine):
         if not (self._options["writemap"] and self._tmpfs and _populate_ok and nbytes > 0):
             return
         shared = self._env
+        if shared.readonly is not None:
+            return
         node = nbytes * _ranks_on_node()
         slack = node // 8 + 64 * _MIB
         with shared.write_lock:
@@ -371,7 +401,7 @@ class LMDBEngine(Engine):
 
     def _write(self, apply: Any, nbytes: int) -> Any:
         """Run ``apply(txn)`` in one write transaction, growing the map until it fits."""
-        shared = self._env
+        shared = self._writable_env()
         with shared.write_lock:
             self._grow(shared, nbytes)
             self._preallocate(shared, nbytes)
@@ -555,7 +585,14 @@ def _rebuild(
     part_bytes: int,
     txn_bytes: int,
     create: bool = True,
+    read_lease: bool = True,
 ) -> LMDBEngine:
     return LMDBEngine(
-        path, prefix=prefix, part_bytes=part_bytes, txn_bytes=txn_bytes, create=create, **options
+        path,
+        prefix=prefix,
+        part_bytes=part_bytes,
+        txn_bytes=txn_bytes,
+        create=create,
+        read_lease=read_lease,
+        **options,
     )

@@ -45,13 +45,20 @@ from ..urls import (
     take_option,
     validate_prefix,
 )
+from ._redis_replies import (
+    failed_key,
+    is_no_permission,
+    is_out_of_memory,
+    no_permission,
+    no_such_key,
+    server_message,
+)
+from ._redis_set import MAX_PIPELINE_KEYS, SetPipeline
 from ._resp import (
     BACKOFF_S,
     RETRIES,
     BulkReader,
     GetRequests,
-    command,
-    command_header,
     retry,
 )
 from .base import (
@@ -62,21 +69,42 @@ from .base import (
     StoreUsage,
     Update,
     ValueCallback,
-    hashed_pieces,
 )
 
 _MIB = 1 << 20
 #: Redis refuses (by closing the connection) a single value larger than this.
 REDIS_MAX_VALUE = 512 * _MIB
-#: Values smaller than this are copied into one send buffer instead of sent on their own.
-_COALESCE_BELOW = 64 * 1024
-_MAX_PIPELINE_KEYS = 4096
 DEFAULT_READ_AHEAD = 16 * _MIB
 #: Seconds a retired value waits as a spare for a save to write over it (URL ``spare_ttl``).
 DEFAULT_SPARE_TTL = 900.0
 #: Values smaller than this are written with a plain SET: a fresh allocation costs little there.
 _REUSE_FROM = 64 * 1024
 _DELETE_BATCH = 1000
+#: ``RedisEngine._transact_when_full``: set or delete KEYS past the first ARGV[1] (the watched
+#: ones) only if each watched key still holds what the caller read. Pairs of ARGV give each
+#: key's (exists, value). ``allow-oom`` lets it write on a server at ``maxmemory``.
+_CAS_WHEN_FULL = """#!lua flags=allow-oom
+local watched = tonumber(ARGV[1])
+local a = 2
+for i = 1, watched do
+  local cur = redis.call('GET', KEYS[i])
+  if ARGV[a] == '1' then
+    if cur ~= ARGV[a + 1] then return 0 end
+  elseif cur then
+    return 0
+  end
+  a = a + 2
+end
+for i = watched + 1, #KEYS do
+  if ARGV[a] == '1' then
+    redis.call('SET', KEYS[i], ARGV[a + 1])
+  else
+    redis.call('DEL', KEYS[i])
+  end
+  a = a + 2
+end
+return 1
+"""
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
 T = TypeVar("T")
@@ -102,6 +130,10 @@ def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
                 "gc through its primary"
             ) from None
         except redis.ResponseError as e:  # after ReadOnlyError, one of them
+            if is_no_permission(e):
+                raise no_permission(
+                    f"Redis at {self.address}", self.url, self._redis_url, e
+                ) from None
             if _db_out_of_range(e):
                 raise InvalidURLError(
                     f"Redis at {self.address} has no database {_db_of(self._redis_url)} "
@@ -172,33 +204,6 @@ def _db_of(url: str) -> str:
     return opts.get("db") or parts.path.strip("/") or "0"
 
 
-def is_out_of_memory(error: redis.ResponseError) -> bool:
-    return isinstance(error, redis.exceptions.OutOfMemoryError) or str(error).startswith("OOM")
-
-
-_PIPELINE_COMMAND = re.compile(r"Command # \d+ \((\S+) (\S+)")
-
-
-def failed_key(error: redis.ResponseError) -> str | None:
-    """The key of the command that an error of a redis-py pipeline names ("Command # 1 (SET
-    key value) of pipeline caused error: ..."), or None."""
-    found = _PIPELINE_COMMAND.match(str(error))
-    return found.group(2) if found else None
-
-
-def server_message(error: redis.ResponseError) -> str:
-    """The server's own words of a reply error, without redis-py's account of the pipeline
-    command (which holds the value's bytes)."""
-    text = str(error)
-    _, sep, tail = text.partition(" of pipeline caused error: ")
-    return (tail if sep else text).strip().rstrip(".")
-
-
-def _no_such_key(error: redis.ResponseError) -> bool:
-    """RENAME's reply when its source is gone: no spare to take over, or already taken."""
-    return "no such key" in str(error).lower()
-
-
 class RedisSettings(Engine):
     """What the single-server engine and the cluster engine (``redis_cluster.py``, one
     ``RedisEngine`` per primary) share: kvckpt's own URL options, checked once, and the
@@ -223,6 +228,7 @@ class RedisSettings(Engine):
         wait_replicas: int,
         wait_timeout: float,
         read_ahead_bytes: int,
+        read_lease: bool = True,
     ) -> None:
         check_redis_options(url, part_bytes, wait_replicas, wait_timeout, read_ahead_bytes)
         self._raw_url = url
@@ -233,6 +239,7 @@ class RedisSettings(Engine):
         self.allow_eviction = allow_eviction
         self.wait_replicas = wait_replicas
         self.wait_timeout = wait_timeout
+        self.read_leases = read_lease
 
     def settings(self) -> dict[str, Any]:
         """The options ``_configure`` took, as keyword arguments (for another engine)."""
@@ -244,6 +251,7 @@ class RedisSettings(Engine):
             wait_replicas=self.wait_replicas,
             wait_timeout=self.wait_timeout,
             read_ahead_bytes=self.read_ahead_bytes,
+            read_lease=self.read_leases,
         )
 
     @property
@@ -285,7 +293,8 @@ class RedisEngine(RedisSettings):
     ``wait_replicas`` and ``wait_timeout`` (a save's data and its commit count only once that
     many replicas have acknowledged them, ``WAIT``; default 0 replicas, 10 s), ``spare_ttl``
     (seconds that retention keeps a deleted checkpoint's values as spares for the next save to
-    overwrite in place, default 900; 0 deletes them at once).
+    overwrite in place, default 900; 0 deletes them at once), ``read_lease`` (0: reads take no
+    read lease; ``kvckpt.catalog.read_lease`` says what that risks).
     Every other query option goes to redis-py (``ssl_ca_certs``, ``socket_timeout``, ...).
     """
 
@@ -302,6 +311,7 @@ class RedisEngine(RedisSettings):
         wait_timeout: float = 10.0,
         read_ahead_bytes: int = DEFAULT_READ_AHEAD,
         spare_ttl: float = DEFAULT_SPARE_TTL,
+        read_lease: bool = True,
     ) -> None:
         self._configure(
             url,
@@ -312,6 +322,7 @@ class RedisEngine(RedisSettings):
             wait_replicas=wait_replicas,
             wait_timeout=wait_timeout,
             read_ahead_bytes=read_ahead_bytes,
+            read_lease=read_lease,
         )
         if spare_ttl < 0:
             raise InvalidURLError(
@@ -402,7 +413,7 @@ class RedisEngine(RedisSettings):
         hashing = on_value if hasher is not None else None
 
         def work(conn: Any) -> None:
-            pipeline = _SetPipeline(self, conn, hashing, hasher)
+            pipeline = SetPipeline(self, conn, hashing, hasher)
             for i, (key, value) in enumerate(items):
                 view = memoryview(value)
                 reuse = spare_of is not None and view.nbytes >= _REUSE_FROM
@@ -420,8 +431,8 @@ class RedisEngine(RedisSettings):
             def expected(_: int) -> int:
                 return total // count if count else self.max_value_bytes
 
-            for start in range(0, len(keys), _MAX_PIPELINE_KEYS):
-                batch = keys[start : start + _MAX_PIPELINE_KEYS]
+            for start in range(0, len(keys), MAX_PIPELINE_KEYS):
+                batch = keys[start : start + MAX_PIPELINE_KEYS]
                 requests = GetRequests(conn, batch, expected, self.read_ahead_bytes)
                 for i in range(len(batch)):
                     requests.send_ahead_of(i)
@@ -443,8 +454,8 @@ class RedisEngine(RedisSettings):
     ) -> list[int | None]:
         def work(conn: Any) -> list[int | None]:
             sizes: list[int | None] = []
-            for start in range(0, len(keys), _MAX_PIPELINE_KEYS):
-                stop = min(len(keys), start + _MAX_PIPELINE_KEYS)
+            for start in range(0, len(keys), MAX_PIPELINE_KEYS):
+                stop = min(len(keys), start + MAX_PIPELINE_KEYS)
 
                 def read_batch(start: int = start, stop: int = stop) -> list[int | None]:
                     requests = GetRequests(
@@ -516,7 +527,7 @@ class RedisEngine(RedisSettings):
             replies = pipe.execute(raise_on_error=False)
             for renamed in replies[::2]:
                 if isinstance(renamed, redis.ResponseError):
-                    if not _no_such_key(renamed):
+                    if not no_such_key(renamed):
                         raise renamed
                 else:
                     removed += 1
@@ -525,6 +536,11 @@ class RedisEngine(RedisSettings):
     @_translate_errors
     @_retried
     def transact(self, watch: Sequence[str], update: Update) -> None:
+        """``WATCH``/``MULTI``/``EXEC``. On a server at ``maxmemory``, which refuses every
+        ``SET`` however small, a transaction that frees memory (bookkeeping that drops an entry:
+        a failed save's pending entry, a lease) runs as a script allowed to (``allow-oom``), so
+        that clean-up never waits for room it is about to make."""
+
         def apply(pipe: Any) -> None:
             current = [pipe.get(k) for k in watch]
             writes = update(current)
@@ -535,7 +551,38 @@ class RedisEngine(RedisSettings):
                 else:
                     pipe.set(k, v)
 
-        self._client.transaction(apply, *watch)
+        try:
+            self._client.transaction(apply, *watch)
+        except redis.ResponseError as e:
+            if not is_out_of_memory(e) or not self._transact_when_full(watch, update):
+                raise
+
+    def _transact_when_full(self, watch: Sequence[str], update: Update) -> bool:
+        """Apply a transaction that writes no more bytes than its keys hold now, as a
+        compare-and-set script flagged ``allow-oom``; False where it would grow the store (or
+        the server has no script flags, before Redis 7)."""
+        for _attempt in range(100):
+            current: list[bytes | None] = [self.get(k) for k in watch]
+            writes = update(current)
+            if not writes:
+                return True
+            held = {k: len(v) for k, v in zip(watch, current, strict=True) if v is not None}
+            if sum(len(v) for v in writes.values() if v is not None) > sum(
+                held.get(k, 0) for k in writes
+            ):
+                return False
+            args: list[Any] = [len(watch)]
+            for value in (*current, *writes.values()):
+                args += ["0", ""] if value is None else ["1", value]
+            try:
+                done = self._client.eval(
+                    _CAS_WHEN_FULL, len(watch) + len(writes), *watch, *writes, *args
+                )
+            except redis.ResponseError:
+                return False
+            if done:
+                return True
+        return False
 
     @_translate_errors
     @_retried
@@ -552,9 +599,9 @@ class RedisEngine(RedisSettings):
     @_retried
     def value_sizes(self, keys: Sequence[str]) -> list[int | None]:
         sizes: list[int | None] = []
-        for start in range(0, len(keys), _MAX_PIPELINE_KEYS):
+        for start in range(0, len(keys), MAX_PIPELINE_KEYS):
             pipe = self._client.pipeline(transaction=False)
-            batch = keys[start : start + _MAX_PIPELINE_KEYS]
+            batch = keys[start : start + MAX_PIPELINE_KEYS]
             for key in batch:
                 pipe.exists(key)
                 pipe.strlen(key)
@@ -597,20 +644,29 @@ class RedisEngine(RedisSettings):
     def preflight(self, nbytes: int) -> None:
         """Refuse to write into a server that may evict keys, or that has no room."""
         mem = self._client.info("memory")
-        policy = mem.get("maxmemory_policy", "noeviction")
-        if policy != "noeviction" and not self.allow_eviction:
-            raise UnsafeStoreError(
-                f"Redis at {self.address} has maxmemory-policy {policy!r}: it may evict "
-                "checkpoint keys silently when memory runs short, leaving damaged checkpoints. "
-                "Run `CONFIG SET maxmemory-policy noeviction` on the server (and in its config), "
-                "or add ?allow_eviction=1 to the URL to accept the risk."
-            )
+        self._refuse_eviction(mem)
         limit, used = int(mem.get("maxmemory", 0)), int(mem.get("used_memory", 0))
         if limit and used + nbytes > limit:
             raise StoreFullError(
                 f"Redis at {self.address} has no room for this save: it needs {nbytes} bytes, "
                 f"and {max(0, limit - used)} of maxmemory {limit} are free. Delete old "
                 "checkpoints (kvckpt gc URL --keep-last N) or raise maxmemory."
+            )
+
+    @_translate_errors
+    @_retried
+    def refuse_unsafe(self) -> None:
+        self._refuse_eviction(self._client.info("memory"))
+
+    def _refuse_eviction(self, mem: dict[str, Any]) -> None:
+        policy = mem.get("maxmemory_policy", "noeviction")
+        if policy != "noeviction" and not self.allow_eviction:
+            raise UnsafeStoreError(
+                f"Redis at {self.address} ({self.url}) has maxmemory-policy {policy!r}: it may "
+                "evict checkpoint keys silently when memory runs short, leaving damaged "
+                "checkpoints. Nothing was written. Run `CONFIG SET maxmemory-policy noeviction` "
+                "on the server (and in its config), or add ?allow_eviction=1 to the URL to "
+                "accept the risk."
             )
 
     @_translate_errors
@@ -659,6 +715,7 @@ KVCKPT_REDIS_OPTIONS = (
     "allow_eviction",
     "wait_replicas",
     "wait_timeout",
+    "read_lease",
 )
 #: Connection options redis-py takes from a URL as strings, beyond the ones it converts
 #: (``redis.connection.URL_QUERY_ARGUMENT_PARSERS``). ``ssl_*``: TLS URLs only.
@@ -711,114 +768,8 @@ def take_redis_options(opts: dict[str, str], url: str) -> dict[str, Any]:
         allow_eviction=take_option(opts, "allow_eviction", url, parse_bool, False),
         wait_replicas=take_option(opts, "wait_replicas", url, int, 0),
         wait_timeout=take_option(opts, "wait_timeout", url, float, 10.0),
+        read_lease=take_option(opts, "read_lease", url, parse_bool, True),
     )
-
-
-class _SetPipeline:
-    """The writes of ``RedisEngine.put_many`` on one connection, pipelined in batches of about
-    ``pipeline_bytes``.
-
-    Small values are framed together into one buffer; a large value is sent straight from the
-    caller's memory (hashed piece by piece as it goes, where asked). A value with a spare takes
-    the spare over (``RENAME``, ``PERSIST``) and is written into its memory (``SETRANGE key
-    0``); a spare of another size is replaced by a ``SET``. Every command here is idempotent,
-    so a batch cut by a dropped connection is sent again whole."""
-
-    def __init__(
-        self,
-        engine: RedisEngine,
-        conn: Any,
-        on_value: ValueCallback | None,
-        hasher: Callable[[], Hasher] | None,
-    ) -> None:
-        self.engine = engine
-        self.conn = conn
-        self.on_value = on_value
-        self.hasher = hasher
-        self._start_batch()
-
-    def _start_batch(self) -> None:
-        self.pieces: list[BytesLike] = []
-        self.hashed: dict[int, int] = {}  # position in pieces -> value index, hashed as sent
-        self.small = bytearray()
-        self.sent: list[tuple[str, memoryview, bool]] = []  # key, value, whether a take-over
-        self.batch_bytes = 0
-
-    def add(self, i: int, key: str, view: memoryview, spare: str | None) -> None:
-        """Queue value ``i`` (sending the batch once it is full)."""
-        k = key.encode()
-        if spare is not None:
-            self.small += command(b"RENAME", spare.encode(), k) + command(b"PERSIST", k)
-            self.small += command_header(b"SETRANGE", k, b"0", value_nbytes=view.nbytes)
-        else:
-            self.small += command_header(b"SET", k, value_nbytes=view.nbytes)
-        hashing = self.on_value is not None and self.hasher is not None
-        if view.nbytes < _COALESCE_BELOW:
-            self.small += view
-            if hashing:
-                h = self.hasher()  # type: ignore[misc]
-                h.update(view)
-                self.on_value(i, h.intdigest())  # type: ignore[misc]
-        else:
-            self.pieces.append(self.small)
-            if hashing:
-                self.hashed[len(self.pieces)] = i  # hashed piece by piece as it is sent
-            self.pieces.append(view)  # sent straight from the caller's memory
-            self.small = bytearray()
-        self.small += b"\r\n"
-        self.sent.append((key, view, spare is not None))
-        self.batch_bytes += view.nbytes
-        if self.batch_bytes >= self.engine.pipeline_bytes or len(self.sent) >= _MAX_PIPELINE_KEYS:
-            self.flush()
-
-    def flush(self) -> None:
-        """Send the queued batch and read its replies."""
-        if self.small:
-            self.pieces.append(self.small)
-        retry(self.conn, self._exchange)
-        self._start_batch()
-
-    def _stream(self) -> Iterator[BytesLike]:
-        for p, piece in enumerate(self.pieces):
-            i = self.hashed.get(p)
-            if i is None:
-                yield piece
-            else:
-                h = self.hasher()  # type: ignore[misc]
-                yield from hashed_pieces(memoryview(piece), h)
-                self.on_value(i, h.intdigest())  # type: ignore[misc]
-
-    def _exchange(self) -> None:
-        conn = self.conn
-        if self.pieces:
-            conn.send_packed_command(
-                self._stream() if self.hashed else self.pieces, check_health=False
-            )
-        resend: list[tuple[str, memoryview]] = []
-        for key, view, took_over in self.sent:
-            if took_over:
-                try:
-                    conn.read_response()  # RENAME: "no such key" when there is no spare
-                except redis.ResponseError as e:
-                    if not _no_such_key(e):
-                        raise
-                conn.read_response()  # PERSIST
-                if self._reply(key, view.nbytes) != view.nbytes:  # SETRANGE: the new length
-                    resend.append((key, view))  # the spare was longer
-            else:
-                self._reply(key, view.nbytes)
-        for key, view in resend:
-            header = command_header(b"SET", key.encode(), value_nbytes=view.nbytes)
-            conn.send_packed_command([header, view, b"\r\n"], check_health=False)
-            self._reply(key, view.nbytes)
-
-    def _reply(self, key: str, size: int) -> Any:
-        try:
-            return self.conn.read_response()
-        except redis.ResponseError as e:
-            if is_out_of_memory(e):
-                raise self.engine._out_of_memory(e, key, size) from None
-            raise
 
 
 def _rebuild(

@@ -32,11 +32,18 @@ from urllib.parse import quote, unquote
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from ..errors import InvalidURLError, StoreFullError, StoreUnavailableError
+from ..errors import InvalidURLError, ReadOnlyStoreError, StoreFullError, StoreUnavailableError
 from ..urls import (
     DEFAULT_PREFIX,
     mask_url,
     split_options,
+)
+from ._redis_replies import (
+    failed_key,
+    is_no_permission,
+    is_out_of_memory,
+    no_permission,
+    server_message,
 )
 from .base import BytesLike, Consumer, Hasher, StoreUsage, Update, ValueCallback
 from .redis import (
@@ -47,9 +54,6 @@ from .redis import (
     RedisSettings,
     auth_error,
     check_redis_py_options,
-    failed_key,
-    is_out_of_memory,
-    server_message,
     take_redis_options,
 )
 
@@ -99,7 +103,14 @@ def _cluster_errors(method: Callable[..., T]) -> Callable[..., T]:
                 f"cannot reach Redis Cluster {self.url}: {str(e).rstrip('.')}. Are the nodes "
                 "running, and is the cluster state ok (`redis-cli cluster info`)?"
             ) from None
+        except redis.ReadOnlyError:
+            raise ReadOnlyStoreError(
+                f"Redis Cluster {self.url} answered as a read-only replica: save, delete and gc "
+                "through its primaries"
+            ) from None
         except redis.ResponseError as e:  # after ClusterError: ClusterDownError is both
+            if is_no_permission(e):
+                raise no_permission("Redis Cluster", self.url, self._raw_url, e) from None
             if is_out_of_memory(e):
                 key = failed_key(e)
                 raise StoreFullError(
@@ -119,7 +130,7 @@ class RedisClusterEngine(RedisSettings):
 
     Options are those of the single-server engine (``prefix``, ``part_bytes``,
     ``pipeline_bytes``, ``read_ahead_bytes``, ``allow_eviction``, ``wait_replicas``,
-    ``wait_timeout``, redis-py connection options), applied to every primary.
+    ``wait_timeout``, ``read_lease``, redis-py connection options), applied to every primary.
     """
 
     def __init__(
@@ -133,6 +144,7 @@ class RedisClusterEngine(RedisSettings):
         wait_replicas: int = 0,
         wait_timeout: float = 10.0,
         read_ahead_bytes: int = DEFAULT_READ_AHEAD,
+        read_lease: bool = True,
         redis_options: dict[str, str] | None = None,
     ) -> None:
         parts, _ = split_options(url)
@@ -157,6 +169,7 @@ class RedisClusterEngine(RedisSettings):
             wait_replicas=wait_replicas,
             wait_timeout=wait_timeout,
             read_ahead_bytes=read_ahead_bytes,
+            read_lease=read_lease,
         )
         self.tls = parts.scheme == "rediss+cluster"
         self.username = unquote(parts.username) if parts.username else None
@@ -423,6 +436,11 @@ class RedisClusterEngine(RedisSettings):
     def session_id(self) -> str | None:
         """The primaries' run ids: a failover or a restart of any of them changes it."""
         return ",".join(str(self._node_engine(node).session_id()) for node in self._primaries())
+
+    @_cluster_errors
+    def refuse_unsafe(self) -> None:
+        for node in self._primaries():
+            self._node_engine(node).refuse_unsafe()
 
     @_cluster_errors
     def preflight(self, nbytes: int) -> None:

@@ -160,7 +160,8 @@ def check_put_many_hashes_if_it_says_so(open_engine: Opener) -> None:
 def check_a_checkpoint_round_trip(open_engine: Opener) -> None:
     """Through kvckpt itself: save with DCP, list, verify, load bit-exact, export, delete."""
     from .. import KVStorageReader, KVStorageWriter, delete_checkpoint, list_checkpoints
-    from ..transfer import export_checkpoint, verify
+    from ..dcp_files import export_checkpoint
+    from ..verify import verify
 
     state: dict[str, Any] = {
         "w": torch.randn(64, 33),
