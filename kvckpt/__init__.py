@@ -52,7 +52,8 @@ if TYPE_CHECKING:
     from .restore import RestoreStats, TieredStorageReader
     from .safetensors_export import export_safetensors
     from .staging import background_stager
-    from .tiered import TieredStorageWriter, Tiers
+    from .tiered import Tiers
+    from .tiered_writer import TieredStorageWriter
     from .writer import KVStorageWriter
 
 #: name -> module of the public names that import torch, imported on first access
@@ -62,7 +63,7 @@ _LAZY = {
     "KVStorageReader": "reader",
     "background_stager": "staging",
     "export_safetensors": "safetensors_export",
-    "TieredStorageWriter": "tiered",
+    "TieredStorageWriter": "tiered_writer",
     "Tiers": "tiered",
     "DirectoryReader": "dcp_files",
     "KVStorageWriter": "writer",

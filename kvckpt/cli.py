@@ -187,8 +187,10 @@ def stats_command(url: str, as_json: bool) -> None:
     LMDB also the memory its file holds, pages made ready ahead of the next saves included.
 
     --json: {"url", "checkpoints", "checkpoint_bytes", "used_bytes", "limit_bytes",
-    "limit_from", "held_bytes", "checkpoint_list"} (the byte counts null where the store
-    cannot tell; "checkpoint_list" as kvckpt ls --json lists them).
+    "limit_from", "held_bytes", "checkpoint_list", "peer_shares"} (the byte counts null where
+    the store cannot tell; "checkpoint_list" as kvckpt ls --json lists them; "peer_shares":
+    the other nodes' shares a node-local store keeps for Tiers(peers=K), each
+    {"checkpoint_id", "save_id", "ranks"}).
 
     \b
     Example:
@@ -198,6 +200,7 @@ def stats_command(url: str, as_json: bool) -> None:
     infos = manage.stored_checkpoints(engine, include_incomplete=False)
     usage = engine.usage()
     held = manage.held_bytes(engine)
+    shares = manage.peer_shares(engine)
     stored = sum(i.total_bytes for i in infos)
     if as_json:
         emit(
@@ -210,6 +213,7 @@ def stats_command(url: str, as_json: bool) -> None:
                 "limit_from": usage.limit_from or None,
                 "held_bytes": held,
                 "checkpoint_list": [i.to_json() for i in infos],
+                "peer_shares": shares,
             }
         )
         return
@@ -231,6 +235,13 @@ def stats_command(url: str, as_json: bool) -> None:
             else ""
         )
         click.echo(f"memory held  {human_bytes(held)} by the store's file{why}")
+    if shares:
+        saves = len({s["checkpoint_id"] for s in shares})
+        click.echo(
+            f"peer copies  other nodes' shares of {count(saves, 'checkpoint')} "
+            f"({', '.join(repr(s['checkpoint_id']) for s in shares[:5])}), kept for "
+            "Tiers(peers=K)"
+        )
     if infos:
         rows = [
             (i.checkpoint_id, show_time(i.created_at), human_bytes(i.total_bytes), i.num_items)

@@ -41,9 +41,11 @@ logger = logging.getLogger(__name__)
 class Event:
     """One phase of a checkpoint operation, reported when it ends."""
 
-    #: ``save``, ``copy``, ``prefetch`` or ``restore``
+    #: ``save``, ``copy``, ``peer`` (a copy into other nodes' stores), ``prefetch`` or
+    #: ``restore``
     operation: str
-    #: ``plan``, ``write``, ``commit``, ``copy``, ``choose`` or ``read``
+    #: ``plan``, ``write``, ``commit``, ``copy``, ``choose`` or ``read``; ``failed`` for a
+    #: peer copy that failed (it never fails the save)
     phase: str
     checkpoint_id: str
     #: The store's URL, its password masked

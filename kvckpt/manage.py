@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .catalog import (
+    PEER,
     Index,
     collect_retired,
     index_key,
@@ -277,6 +278,24 @@ def list_namespaces(store: str | Engine) -> list[NamespaceInfo]:
             continue
         out.append(NamespaceInfo(prefix, len(infos), sum(i.total_bytes for i in infos)))
     return out
+
+
+def peer_shares(engine: Engine) -> list[dict[str, Any]]:
+    """The shares of other nodes' ranks that this node-local store keeps as peer copies
+    (``Tiers(peers=K)``), a save at a time: ``{"checkpoint_id", "save_id", "ranks"}``, newest
+    first. From the index alone."""
+    saves: dict[tuple[str, str], tuple[float, list[int]]] = {}
+    for e in read_index(_engine(engine)).remote.values():
+        cid, sid, rank = e.get("checkpoint_id"), e.get("save_id"), e.get("rank")
+        if e.get("origin") != PEER or not isinstance(cid, str) or not isinstance(sid, str):
+            continue
+        _, ranks = saves.setdefault((cid, sid), (float(e.get("written_at") or 0), []))
+        if isinstance(rank, int):
+            ranks.append(rank)
+    return [
+        {"checkpoint_id": cid, "save_id": sid, "ranks": sorted(ranks)}
+        for (cid, sid), (_, ranks) in sorted(saves.items(), key=lambda kv: -kv[1][0])
+    ]
 
 
 def held_bytes(engine: Engine) -> int | None:

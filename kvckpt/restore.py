@@ -55,7 +55,8 @@ from .errors import (
     KVCheckpointError,
     StoreNotFoundError,
 )
-from .format import CheckpointRecord, gc_paused
+from .format import CheckpointRecord, decode_metadata, gc_paused
+from .holdings import held_items, item_order
 from .node import node_id
 from .reader import KVStorageReader, _ItemRead, fetch_parts
 from .stores import open_store
@@ -223,6 +224,9 @@ class TieredStorageReader(KVStorageBase, StorageReader):
             tier.
         weights_only: as ``KVStorageReader``'s, for every tier.
         lease: as ``KVStorageReader``'s, for every tier.
+        metadata: the save's encoded metadata, for a save that no tier lists but the nodes'
+            stores hold between them (``Tiers(peers=K)``: ``Tiers.latest()`` finds it and
+            passes it on). Used only where no tier holds the metadata itself.
 
     After a load, ``stats`` says where this rank's bytes came from (``RestoreStats``).
     """
@@ -237,6 +241,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         weights_only: bool = True,
         verify: bool | None = None,
         lease: float | bool = 60.0,
+        metadata: bytes | None = None,
     ) -> None:
         super().__init__()
         if not stores:
@@ -255,6 +260,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
             weights_only=weights_only, verify=True if verify is None else verify
         )
         self.lease: float = 60.0 if lease is True else float(lease)
+        self.metadata = metadata
         self.load_id = new_save_id()
         self.stats = RestoreStats()
         self._record: CheckpointRecord | None = None
@@ -336,6 +342,8 @@ class TieredStorageReader(KVStorageBase, StorageReader):
             self._record, self._indexes, self._readers = record, None, {}
             chosen = tier
             break
+        if self._record is None and self.metadata is not None:
+            chosen = self._from_given_metadata(checkpoint_id)
         if self._record is None:
             self._release_leases()
             raise CheckpointNotFoundError(
@@ -358,6 +366,25 @@ class TieredStorageReader(KVStorageBase, StorageReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _from_given_metadata(self, checkpoint_id: str) -> int | None:
+        """Take the metadata ``Tiers.latest()`` handed over, with a read lease on this node's
+        store, which holds (a share of) the save's data."""
+        assert self.metadata is not None
+        record = decode_metadata(self.metadata, where=f"the metadata of {checkpoint_id!r}")
+        if record.checkpoint_id != checkpoint_id or (
+            self.created_at is not None and record.created_at != self.created_at
+        ):
+            return None
+        tier = self._local()
+        if tier is not None:
+            engine = self.engines[tier]
+            assert engine is not None
+            self._renewals.append(
+                self._leases.enter_context(read_lease(engine, checkpoint_id, self.lease))
+            )
+        self._record, self._indexes, self._readers = record, None, {}
+        return tier
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -389,39 +416,14 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         record = self._record
         assert record is not None
         if self._indexes is None:
-            self._indexes = sorted(
-                record.locations, key=lambda i: (i.fqn, tuple(i.offset or ()), i.index or 0)
-            )
+            self._indexes = item_order(record)
             self._positions = {index: i for i, index in enumerate(self._indexes)}
         return self._indexes
 
     def _held(self, record: CheckpointRecord) -> np.ndarray:
         """Which items this node's store holds whole (every part, of the right size)."""
-        indexes = self._items()
-        held = np.zeros(len(indexes), dtype=bool)
         tier = self._local()
-        if tier is None:
-            return held
-        engine = self.engines[tier]
-        assert engine is not None
-        keys: list[str] = []
-        owner: list[tuple[int, int]] = []  # (item, expected size) of each key
-        for i, index in enumerate(indexes):
-            loc = record.locations[index]
-            item_keys = loc.keys(engine.prefix, record.checkpoint_id, record.save_id)
-            for p, key in enumerate(item_keys):
-                keys.append(key)
-                owner.append((i, min(loc.part_bytes, loc.nbytes - p * loc.part_bytes)))
-        try:
-            sizes = engine.value_sizes(keys)
-        except KVCheckpointError as e:
-            logger.warning("kvckpt restore: %s holds nothing usable: %s", engine.url, e)
-            return held
-        held[:] = True
-        for (i, want), got in zip(owner, sizes, strict=True):
-            if got != want:
-                held[i] = False
-        return held
+        return held_items(None if tier is None else self.engines[tier], record, self._items())
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         record = self._record

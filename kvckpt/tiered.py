@@ -47,9 +47,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import StorageReader, WriteResult
-from torch.futures import Future as TorchFuture
+from torch.distributed.checkpoint.storage import StorageReader
 
 from . import events
 from .catalog import (
@@ -72,13 +70,15 @@ from .format import (
     ItemLocation,
     part_ranges,
 )
+from .holdings import HeldSave, newest_held_whole
 from .manage import NEVER, discard_save
 from .manage import gc as collect_garbage  # not the standard library's gc
 from .node import node_id, run_in_background, spare_cores
+from .peer_copy import DEFAULT_BUDGET, PeerCopier
 from .reader import KVStorageReader
 from .restore import RestoreStats, TieredStorageReader
 from .stores import open_store
-from .writer import KVStorageWriter, SavePlanData
+from .tiered_writer import TieredStorageWriter
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,18 @@ class Tiers:
             start, at most one copy's time behind the first). The coordinator decides for every
             rank, at the save's global plan. Save a job's last checkpoint with
             ``tiers.writer(copy="every")`` so that it reaches every store.
+        peers: K: after each save commits in the node-local stores, each node's share (what
+            its ranks wrote) is copied, in the background, into the node-local stores of the K
+            nodes after it on a ring (``kvckpt.placement``), so that a restart that lost any K
+            nodes restores the newest checkpoint without the shared tier
+            (``kvckpt.peer_copy`` says how a copy stays whole). Needs a node-local first store
+            and a job of more than one node (``kvckpt.node``); 0, the default, copies nothing.
+        shared_every: N: the further stores and ``durable`` get every N-th checkpoint (the
+            1st, the N+1-th, ...), and any one saved with ``tiers.writer(shared=True)`` (a
+            job's last). With ``peers``, a save every step and ``shared_every=50`` keeps a
+            node loss at one step and the shared tier's traffic at 1/50.
+        peer_budget_bytes: the bytes of chunks a rank holds in flight at once while copying
+            to and from its peers.
         writer_options: passed to each ``KVStorageWriter`` (``checksums``, ``lease``, ...).
             Checksums default to on if any store records them by default.
     """
@@ -115,6 +127,9 @@ class Tiers:
         keep_last: int | None = None,
         replicate_timeout: float = 600.0,
         copy: str = "every",
+        peers: int = 0,
+        shared_every: int = 1,
+        peer_budget_bytes: int = DEFAULT_BUDGET,
         **writer_options: Any,
     ) -> None:
         if not stores:
@@ -123,8 +138,25 @@ class Tiers:
             raise ValueError(f"durable_every must be >= 1, not {durable_every}")
         if copy not in ("every", "newest"):
             raise ValueError(f'copy must be "every" or "newest", not {copy!r}')
+        if shared_every < 1:
+            raise ValueError(f"shared_every must be >= 1, not {shared_every}")
         self.copy = copy
         self.engines = [open_store(s) for s in stores]
+        if peers and self.engines[0].shared:
+            raise ValueError(
+                f"peers={peers} copies each node's share into other nodes' node-local stores, "
+                f"but the first store, {self.engines[0].url}, is shared: put a node-local one "
+                "first (lmdb:///dev/shm/NAME)"
+            )
+        self.shared_every = shared_every
+        self._planned = 0  # saves planned on this rank (the coordinator's count decides)
+        #: the copies into other nodes' stores (``peers``)
+        self.peer_copies = PeerCopier(
+            self.engines[0], peers, budget_bytes=peer_budget_bytes, timeout=replicate_timeout
+        )
+        #: the metadata of a save that ``latest()`` found held whole by the nodes' stores
+        #: alone, for its ``reader()``
+        self._held: HeldSave | None = None
         self.durable = None if durable is None else Path(durable).absolute()
         self.durable_every = durable_every
         self.keep_last = keep_last
@@ -162,15 +194,31 @@ class Tiers:
 
     # -- saving -------------------------------------------------------------------------------
 
-    def writer(self, *, copy: str | None = None, **options: Any) -> TieredStorageWriter:
+    def writer(
+        self, *, copy: str | None = None, shared: bool = False, **options: Any
+    ) -> TieredStorageWriter:
         """A DCP ``StorageWriter`` for one save (``dcp.save`` / ``dcp.async_save``).
 
         ``copy`` overrides the ``Tiers``' own for this save: a loop that copies
         ``"newest"`` saves its last checkpoint with ``copy="every"``, so that it reaches every
-        store even while an earlier copy is still running."""
+        store even while an earlier copy is still running. ``shared=True`` sends this save to
+        the further stores whatever ``shared_every`` says (a job's last checkpoint).
+
+        Every rank calls it before each save. With ``peers``, the first call on a job of
+        several processes learns the job's nodes and opens the copies' own process group:
+        a collective of the default group."""
         if copy not in (None, "every", "newest"):
             raise ValueError(f'copy must be "every" or "newest", not {copy!r}')
-        return TieredStorageWriter(self, copy=copy, **{**self.writer_options, **options})
+        self.peer_copies.set_up()
+        return TieredStorageWriter(
+            self, copy=copy, shared=shared, **{**self.writer_options, **options}
+        )
+
+    def due_for_shared(self, asked: bool) -> bool:
+        """On the coordinator, at a save's global plan: whether this save goes to the further
+        stores and ``durable`` (every ``shared_every``-th, or ``asked``)."""
+        self._planned += 1
+        return asked or (self._planned - 1) % self.shared_every == 0
 
     def get_ready(self, state_dict: dict[str, Any]) -> None:
         """Get the node-local tier ready for this job's saves of ``state_dict`` while the
@@ -231,8 +279,12 @@ class Tiers:
         deadline = None if timeout is None else time.monotonic() + timeout
         for job in jobs:
             job.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self.peer_copies.abandon_undecided()  # a save that failed: its copy is skipped
+        peer_errors = self.peer_copies.wait(
+            None if deadline is None else max(0.0, deadline - time.monotonic())
+        )
         with self._lock:
-            errors, self._errors = list(self._errors.values()), {}
+            errors, self._errors = [*self._errors.values(), *peer_errors], {}
         if errors:
             if isinstance(errors[0], UnsafeStoreError):
                 raise errors[0]  # a store configured to lose data: what to fix, as it is
@@ -247,6 +299,7 @@ class Tiers:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            self.peer_copies.close()
 
     # -- replication: what a TieredStorageWriter asks of its Tiers -----------------------------
 
@@ -527,6 +580,16 @@ class Tiers:
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if local_rank != 0 or self.engines[0].shared or len(self.engines) == 1:
             return None
+        if self.peer_copies.peers:
+            # The restore reads a replaced node's share from the stores of the nodes that
+            # keep copies of it, each byte once, over the restore's own exchange; a prefetch
+            # from the shared tier would bring an older checkpoint, or move the bytes twice.
+            logger.info(
+                "kvckpt tiers: no prefetch with peers=%d: the restore reads this node's share "
+                "from its peers' stores",
+                self.peer_copies.peers,
+            )
+            return None
         if node_rank is None:
             node_rank = int(os.environ.get("GROUP_RANK", "0"))
         if ranks_per_node is None and "LOCAL_WORLD_SIZE" in os.environ:
@@ -616,26 +679,38 @@ class Tiers:
         process's ``prefetch()``.
         """
         self._await_prefetch()
+        self._held = None
         if not (dist.is_available() and dist.is_initialized()):
             return choose_newest(self.engines, self.durable, single_host=True)
         nodes: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(nodes, node_id())
+        single_host = len(set(nodes)) == 1
         choice = [
-            choose_newest(self.engines, self.durable, len(set(nodes)) == 1)
-            if dist.get_rank() == 0
-            else None
+            choose_newest(self.engines, self.durable, single_host) if dist.get_rank() == 0 else None
         ]
         dist.broadcast_object_list(choice, src=0)
-        return choice[0]
+        newest: Restore | None = choice[0]
+        if self.peer_copies.peers and not single_host:
+            # the nodes' stores between them may hold a newer save than any shared tier
+            held = newest_held_whole(self.engines[0], None if newest is None else newest.created_at)
+            if held is not None:
+                self._held = held
+                newest = Restore(held.checkpoint_id, 0, self.engines[0].url, held.created_at)
+        return newest
 
     def reader(self, choice: Restore, **options: Any) -> StorageReader:
         """The DCP ``StorageReader`` for a choice of ``latest()``: one that reads each item
         from the nearest tier holding it (``TieredStorageReader``), or the durable directory's."""
         if choice.tier < len(self.engines):
+            held = self._held
+            chosen = (choice.checkpoint_id, choice.created_at)
             return TieredStorageReader(
                 self.engines,
                 checkpoint_id=choice.checkpoint_id,
                 created_at=choice.created_at,
+                metadata=None
+                if held is None or (held.checkpoint_id, held.created_at) != chosen
+                else held.metadata,
                 **options,
             )
         return DirectoryReader(choice.source, **options)
@@ -695,65 +770,3 @@ def _discard_prefetched(engine: Engine, record: CheckpointRecord, locs: list[Ite
 
 def _no_renewal(force: bool = False) -> None:
     """No background job is running: nothing to renew."""
-
-
-class TieredStorageWriter(KVStorageWriter):
-    """A ``KVStorageWriter`` on the first tier that queues copies to the others (``Tiers``)."""
-
-    def __init__(self, tiers: Tiers, *, copy: str | None = None, **options: Any) -> None:
-        super().__init__(tiers.engines[0], keep_last=tiers.keep_last, **options)
-        self.tiers = tiers
-        self.copy = copy
-        self.part_bytes = tiers.part_bytes
-        self.tier = 0
-        self._replicas: tuple[int, ...] = ()
-
-    def _saves_held(self) -> int | None:
-        # and the save whose background copy is running, which keep_last leaves in place
-        held = super()._saves_held()
-        return held if held is None or len(self.tiers.engines) == 1 else held + 1
-
-    def _protected(self, checkpoint_id: str) -> list[str]:
-        # keep_last waits for the copies and exports of earlier checkpoints still in flight
-        return [checkpoint_id, *sorted(self.tiers.busy_ids())]
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        plans = super().prepare_global_plan(plans)
-        if not self.use_collectives or len(self.tiers.engines) == 1:
-            return plans
-        self._replicas = self.tiers.plan_copies(
-            self._require_id(), self.save_id, self.lease, self.copy
-        )
-        return [
-            dataclasses.replace(
-                plan, storage_data=dataclasses.replace(plan.storage_data, replicas=self._replicas)
-            )
-            for plan in plans
-        ]
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
-        fut = super().write_data(plan, planner)
-        where: SavePlanData = plan.storage_data
-        if where.replicas:
-            self.tiers.copy_in_background(
-                self._require_id(),
-                where.save_id,
-                where.replicas,
-                [wr.storage_data for wr in fut.wait()],
-            )
-        return fut
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        super().finish(metadata, results)
-        if not self.use_collectives or not (self._replicas or self.tiers.durable is not None):
-            return
-        assert self.committed_at is not None
-        self.tiers.commit_in_background(
-            self._require_id(),
-            self.save_id,
-            self._replicas,
-            metadata,
-            {wr.index: wr.storage_data for rank in results for wr in rank},
-            self._world_size(results),
-            self.committed_at,
-        )

@@ -1,0 +1,472 @@
+"""Peer copies: each node's share of a checkpoint, in the node-local stores of K other nodes.
+
+``Tiers(peers=K)`` keeps every checkpoint where a replaced node can get it back without the
+shared tier: once a save has committed in the node-local stores, each rank sends what it wrote
+to one rank of each of its node's K targets (``kvckpt.placement``), which writes it into its
+own node's store under the same keys. The restore then counts those stores as holders, like
+the node's own.
+
+How a copy stays correct and out of training's way:
+
+- **Its own process group.** The copies travel over a gloo group of their own, on a thread of
+  their own, so a copy never blocks a training step or one of training's collectives.
+- **One copy per save, or none.** Every rank queues the save's copy when it starts writing
+  (every rank writes once the plan is agreed), and the copies run in save order on every
+  rank. The first step of each is an all-gather on the copies' group: every rank's locations,
+  and from the coordinator whether the save committed (it waits for that). A save that did
+  not commit, or a rank whose write failed, makes every rank skip the copy together.
+- **Bytes moved once, within a budget.** A sender hands the store's own memory to the group
+  (LMDB lends its map), a receiver lands each chunk in one buffer and writes it into its store;
+  no rank holds more than ``budget_bytes`` of chunks in flight at once.
+- **Checked on arrival, committed last.** Each part is checked against the checksum its save
+  recorded before it is written; the copy is recorded as held (an index entry of the share's
+  ranks, origin ``peer``) only once all of it is in the store, and the coordinator's metadata
+  then follows (``peer_meta_key``), so a restore never counts a half-copied share.
+- **A failed copy never fails the save.** It is logged, emitted as an event, and reported by
+  ``Tiers.wait()``; the next save copies afresh. Retention reaches the copies one save later:
+  each copy drops the peer shares of saves the coordinator no longer keeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import events
+from .adapter import byte_tensor, byte_view
+from .catalog import (
+    PEER,
+    Index,
+    peer_meta_key,
+    pending_name,
+    read_index,
+    release_read_lease,
+    take_read_lease,
+    update_index,
+)
+from .engines.base import Engine
+from .errors import IntegrityError, KVCheckpointError, ReplicationError
+from .format import ItemLocation, checksum, data_prefix
+from .node import node_id, run_in_background
+from .placement import Topology
+
+logger = logging.getLogger(__name__)
+
+#: Bytes of chunks a rank holds in flight at once, by default (``Tiers(peer_budget_bytes=)``).
+DEFAULT_BUDGET = 256 << 20
+#: How long a copy waits for the coordinator's commit, or for a peer, before giving up.
+DEFAULT_TIMEOUT = 600.0
+
+
+@dataclass
+class _Outcome:
+    """What the coordinator tells every rank about a save, at the start of its copy."""
+
+    committed: bool
+    metadata: bytes | None = None  # the encoded metadata (the coordinator's meta value)
+    live: frozenset[tuple[str, str]] = frozenset()  # the saves the coordinator keeps
+
+
+@dataclass
+class _Report:
+    """One rank's contribution to a copy's all-gather."""
+
+    ok: bool
+    locations: list[ItemLocation] = field(default_factory=list)
+    outcome: _Outcome | None = None  # the coordinator's only
+
+
+@dataclass(frozen=True)
+class _Part:
+    key: str
+    nbytes: int
+    checksum: int | None
+
+
+class PeerCopier:
+    """The peer copies of one ``Tiers`` on one rank: their group, their thread, their queue."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        peers: int,
+        *,
+        budget_bytes: int = DEFAULT_BUDGET,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        if peers < 0:
+            raise ValueError(f"peers must be >= 0, not {peers}")
+        if budget_bytes < 1:
+            raise ValueError(f"peer_budget_bytes must be at least 1, not {budget_bytes}")
+        self.engine = engine
+        self.peers = peers
+        self.budget_bytes = budget_bytes
+        self.timeout = timeout
+        self.topology: Topology | None = None
+        self._group: Any = None
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="kvckpt-peers", initializer=run_in_background
+        )
+        self._lock = threading.Lock()
+        self._jobs: list[Future[None]] = []
+        self._errors: list[BaseException] = []
+        self._outcomes: dict[str, tuple[threading.Event, list[_Outcome]]] = {}
+        self._warned_alone = False
+
+    # -- set-up (collective, training's thread) ---------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """Whether this job copies to peers: ``peers`` asked for and another node there."""
+        return self.peers > 0 and self._group is not None
+
+    def set_up(self) -> None:
+        """Learn the job's nodes and open the copies' group, once, on every rank at once
+        (``Tiers.writer()``, called by every rank before each save)."""
+        if self.peers == 0 or self.topology is not None:
+            return
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        nodes: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(nodes, node_id())
+        self.topology = Topology(tuple(str(n) for n in nodes))
+        if len(self.topology.order) < 2:
+            if not self._warned_alone:
+                logger.warning(
+                    "kvckpt tiers: peers=%d, but every rank of this job runs on node %r: there "
+                    "is no other node to copy to, so saves are kept as without peers",
+                    self.peers,
+                    self.topology.order[0],
+                )
+                self._warned_alone = True
+            return
+        self._group = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=self.timeout)
+        )
+
+    # -- the queue --------------------------------------------------------------------------
+
+    def submit(
+        self, checkpoint_id: str, save_id: str, written: Callable[[], list[ItemLocation] | None]
+    ) -> None:
+        """Queue this rank's part of a save's copy (every rank, as its write starts).
+        ``written()`` blocks until the rank's write is done: its locations, or None if it
+        failed."""
+        if not self.active:
+            return
+        if dist.get_rank() == 0:
+            with self._lock:
+                self._outcomes.setdefault(save_id, (threading.Event(), []))
+        # Retention leaves the data of a save being copied in place until the copy is done.
+        token = os.urandom(8).hex()
+        try:
+            take_read_lease(self.engine, checkpoint_id, token, self.timeout)
+        except KVCheckpointError:
+            token = ""  # a store that refuses it: the copy finds out if data goes missing
+        job = self._pool.submit(self._copy, checkpoint_id, save_id, written, token)
+        with self._lock:
+            self._jobs = [j for j in self._jobs if not j.done()]
+            self._jobs.append(job)
+
+    def decided(self, save_id: str, outcome: _Outcome) -> None:
+        """On the coordinator: a save committed (or not), which its copy waits for."""
+        with self._lock:
+            event, box = self._outcomes.setdefault(save_id, (threading.Event(), []))
+        box.append(outcome)
+        event.set()
+
+    def committed(self, save_id: str, metadata: bytes, live: set[tuple[str, str]]) -> None:
+        self.decided(save_id, _Outcome(True, metadata, frozenset(live)))
+
+    def abandon_undecided(self) -> None:
+        """On the coordinator: saves whose copy still waits for a commit that never came (a
+        save that failed) are skipped; ``Tiers.wait()`` and the next save's plan call it."""
+        with self._lock:
+            waiting = [s for s, (event, _) in self._outcomes.items() if not event.is_set()]
+        for save_id in waiting:
+            self.decided(save_id, _Outcome(False))
+
+    def wait(self, timeout: float | None = None) -> list[BaseException]:
+        """Block until every copy queued so far is done; return their errors, once."""
+        with self._lock:
+            jobs = list(self._jobs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for job in jobs:
+            job.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            errors, self._errors = self._errors, []
+        return errors
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # -- one save's copy (the copies' thread, every rank) --------------------------------------
+
+    def _copy(
+        self,
+        checkpoint_id: str,
+        save_id: str,
+        written: Callable[[], list[ItemLocation] | None],
+        lease: str,
+    ) -> None:
+        started = time.perf_counter()
+        try:
+            nbytes = self._exchange(checkpoint_id, save_id, written)
+        except BaseException as e:
+            logger.error("kvckpt tiers: %s", e)
+            events.emit("peer", "failed", checkpoint_id, self.engine.url, 0.0, rank=dist.get_rank())
+            error = (
+                e
+                if isinstance(e, ReplicationError)
+                else ReplicationError(f"the peer copy of checkpoint {checkpoint_id!r} failed: {e}")
+            )
+            with self._lock:
+                self._errors.append(error)
+            return
+        finally:
+            if lease:
+                with contextlib.suppress(KVCheckpointError):  # it lapses by itself
+                    release_read_lease(self.engine, checkpoint_id, lease)
+        if nbytes is not None:
+            events.emit(
+                "peer", "copy", checkpoint_id, self.engine.url,
+                time.perf_counter() - started, nbytes=nbytes, rank=dist.get_rank(),
+            )  # fmt: skip
+
+    def _outcome(self, save_id: str) -> _Outcome:
+        with self._lock:
+            event, box = self._outcomes.setdefault(save_id, (threading.Event(), []))
+        if not event.wait(self.timeout):
+            return _Outcome(False)
+        with self._lock:
+            self._outcomes.pop(save_id, None)
+        return box[0]
+
+    def _exchange(
+        self,
+        checkpoint_id: str,
+        save_id: str,
+        written: Callable[[], list[ItemLocation] | None],
+    ) -> int | None:
+        """The copy itself; returns the bytes this rank received, or None where the save
+        is skipped."""
+        topology, group = self.topology, self._group
+        assert topology is not None
+        try:
+            mine = written()
+        except BaseException:
+            mine = None
+        me = dist.get_rank()
+        report = _Report(mine is not None, mine or [])
+        if me == 0:
+            report.outcome = self._outcome(save_id)
+        reports: list[_Report | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, report, group=group)
+        outcome = reports[0].outcome if reports[0] is not None else None
+        if outcome is None or not outcome.committed or not all(r and r.ok for r in reports):
+            return None
+        sends = [(to, self._parts(report.locations, checkpoint_id, save_id)) for to in
+                 topology.sends(me, self.peers)]  # fmt: skip
+        receives = [
+            (src, self._parts(reports[src].locations, checkpoint_id, save_id))  # type: ignore[union-attr]
+            for src in topology.receives(me, self.peers)
+        ]
+        chunk = self._chunk_bytes(topology, reports)
+        trouble: list[str] = []
+        received = self._move(sends, receives, chunk, trouble)
+        # A copy counts only where every rank's part of it arrived whole.
+        failures: list[list[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, trouble, group=group)
+        failed = [f"rank {r}: {why}" for r, errs in enumerate(failures) for why in errs or []]
+        if failed:
+            self.engine.delete([p.key for _, parts in receives for p in parts])
+            raise ReplicationError(
+                f"the peer copy of checkpoint {checkpoint_id!r} is not kept anywhere: "
+                + "; ".join(failed[:3])
+                + (f" (and {len(failed) - 3} more)" if len(failed) > 3 else "")
+            )
+        ranks = sorted(src for src, _ in receives)
+        if ranks or self._keeps_metadata(topology, me):
+            self._commit(checkpoint_id, save_id, ranks, outcome, topology, me)
+        return received
+
+    def _parts(
+        self, locations: Sequence[ItemLocation], checkpoint_id: str, save_id: str
+    ) -> list[_Part]:
+        parts = []
+        for loc in locations:
+            keys = loc.keys(self.engine.prefix, checkpoint_id, save_id)
+            for p, key in enumerate(keys):
+                size = min(loc.part_bytes, loc.nbytes - p * loc.part_bytes)
+                parts.append(_Part(key, size, loc.checksums[p] if loc.checksums else None))
+        return parts
+
+    def _chunk_bytes(self, topology: Topology, reports: Sequence[_Report | None]) -> int:
+        """Bytes per chunk of one stream: the budget shared by the most streams any rank
+        runs at once (its sends and its receives), the same figure on every rank."""
+        streams = max(
+            len(topology.sends(r, self.peers)) + len(topology.receives(r, self.peers))
+            for r in range(len(reports))
+        )
+        return max(1, self.budget_bytes // max(1, streams))
+
+    def _move(
+        self,
+        sends: list[tuple[int, list[_Part]]],
+        receives: list[tuple[int, list[_Part]]],
+        chunk: int,
+        trouble: list[str],
+    ) -> int:
+        """Send and receive every stream, chunk by chunk: in step s every rank posts the s-th
+        chunk of each of its streams, so no rank waits on one that has not posted yet.
+
+        A part that cannot be sent whole goes as zeros, and a chunk that arrives damaged is
+        not stored: either way the rank goes on to the last step, so that no other rank waits
+        for it, and says why in ``trouble``; the copy is then kept nowhere."""
+        out = [(to, _chunks(parts, chunk)) for to, parts in sends]
+        into = [(src, _chunks(parts, chunk)) for src, parts in receives]
+        steps = max([len(c) for _, c in out] + [len(c) for _, c in into] + [0])
+        steps = self._max_steps(steps)
+        received = 0
+        for step in range(steps):
+            ops: list[Any] = []
+            landing: list[tuple[list[_Part], torch.Tensor]] = []
+            sending = [(to, c[step]) for to, c in out if step < len(c)]
+            keys = [p.key for _, parts in sending for p in parts]
+            with self.engine.borrow(keys) as views:
+                at = 0
+                for to, parts in sending:
+                    for tag, part in enumerate(parts):
+                        view = views[at]
+                        at += 1
+                        if view is None or view.nbytes != part.nbytes:
+                            trouble.append(f"{self.engine.url} no longer holds {part.key!r} whole")
+                            view = memoryview(bytearray(part.nbytes))
+                        if part.nbytes:
+                            ops.append(
+                                dist.P2POp(dist.isend, byte_tensor(view), to, self._group, tag=tag)
+                            )
+                for src, c in into:
+                    if step >= len(c):
+                        continue
+                    parts = c[step]
+                    buffer = torch.empty(sum(p.nbytes for p in parts), dtype=torch.uint8)
+                    start = 0
+                    for tag, part in enumerate(parts):
+                        if part.nbytes:
+                            piece = buffer[start : start + part.nbytes]
+                            ops.append(dist.P2POp(dist.irecv, piece, src, self._group, tag=tag))
+                        start += part.nbytes
+                    landing.append((parts, buffer))
+                if ops:
+                    for work in dist.batch_isend_irecv(ops):
+                        work.wait()
+            for parts, buffer in landing:
+                if trouble:
+                    continue  # not kept anyway
+                try:
+                    received += self._store(parts, buffer)
+                except KVCheckpointError as e:
+                    trouble.append(str(e))
+        return received
+
+    def _max_steps(self, steps: int) -> int:
+        """Every rank runs as many steps as the rank with the most: the same on all."""
+        count = torch.tensor([steps], dtype=torch.int64)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._group)
+        return int(count.item())
+
+    def _store(self, parts: list[_Part], buffer: torch.Tensor) -> int:
+        """Check each received part against its checksum, then write them into this node's
+        store (one write per chunk)."""
+        view = byte_view(buffer)
+        items = []
+        start = 0
+        for part in parts:
+            piece = view[start : start + part.nbytes]
+            start += part.nbytes
+            if part.checksum is not None and checksum(piece) != part.checksum:
+                raise IntegrityError(
+                    f"{part.key!r} arrived with a checksum that does not match the one its save "
+                    "recorded"
+                )
+            items.append((part.key, piece))
+        self.engine.put_many(items)
+        return start
+
+    def _keeps_metadata(self, topology: Topology, rank: int) -> bool:
+        """Whether this rank writes the checkpoint's metadata into its node's store: the
+        lowest rank of each node that keeps copies of the coordinator's node's share."""
+        node = topology.nodes[rank]
+        return node in topology.targets(topology.nodes[0], self.peers) and (
+            topology.ranks_of(node)[0] == rank
+        )
+
+    def _commit(
+        self,
+        checkpoint_id: str,
+        save_id: str,
+        ranks: list[int],
+        outcome: _Outcome,
+        topology: Topology,
+        me: int,
+    ) -> None:
+        """Record the shares received as held, drop peer shares of saves the coordinator no
+        longer keeps, and (the coordinator's node's targets) keep its metadata."""
+        engine = self.engine
+        index_before = read_index(engine)
+        stale = {
+            name: e
+            for name, e in index_before.remote.items()
+            if e.get("origin") == PEER
+            and (e.get("checkpoint_id"), e.get("save_id")) not in outcome.live
+            and (e.get("checkpoint_id"), e.get("save_id")) != (checkpoint_id, save_id)
+        }
+        now = time.time()
+
+        def change(idx: Index) -> None:
+            for name in stale:
+                idx.remote.pop(name, None)
+            for rank in ranks:
+                idx.remote[pending_name(checkpoint_id, save_id, rank)] = {
+                    "checkpoint_id": checkpoint_id,
+                    "save_id": save_id,
+                    "rank": rank,
+                    "origin": PEER,
+                    "written_at": now,
+                }
+
+        update_index(engine, change)
+        if self._keeps_metadata(topology, me) and outcome.metadata is not None:
+            key = peer_meta_key(engine.prefix, checkpoint_id, save_id)
+            engine.transact([key], lambda _: {key: outcome.metadata})
+        for e in stale.values():
+            cid, sid, rank = e.get("checkpoint_id"), e.get("save_id"), e.get("rank")
+            if isinstance(cid, str) and isinstance(sid, str) and isinstance(rank, int):
+                engine.delete_prefix(f"{data_prefix(engine.prefix, cid, sid)}{rank}/")
+                engine.delete([peer_meta_key(engine.prefix, cid, sid)])
+
+
+def _chunks(parts: list[_Part], limit: int) -> list[list[_Part]]:
+    """Consecutive parts, at most ``limit`` bytes a chunk (one part at least)."""
+    out: list[list[_Part]] = []
+    size = 0
+    for part in parts:
+        if out and size + part.nbytes <= limit:
+            out[-1].append(part)
+            size += part.nbytes
+        else:
+            out.append([part])
+            size = part.nbytes
+    return out

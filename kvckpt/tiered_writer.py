@@ -1,0 +1,117 @@
+"""The DCP ``StorageWriter`` of ``Tiers``: a save into the first (node-local) store that queues
+the save's copies: to the further stores (every ``shared_every``-th save, or one asked for), to
+the durable directory, and into K other nodes' stores (``peers``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future as TorchFuture
+
+from .catalog import read_index
+from .format import ItemLocation, meta_key
+from .writer import KVStorageWriter, SavePlanData
+
+if TYPE_CHECKING:
+    from .tiered import Tiers
+
+
+class TieredStorageWriter(KVStorageWriter):
+    """A ``KVStorageWriter`` on the first tier that queues copies to the others (``Tiers``).
+
+    ``copy`` overrides the ``Tiers``' own (``"every"`` or ``"newest"``) for this save;
+    ``shared=True`` sends this save to the further stores whatever ``shared_every`` says (a
+    job's last checkpoint)."""
+
+    def __init__(
+        self, tiers: Tiers, *, copy: str | None = None, shared: bool = False, **options: Any
+    ) -> None:
+        super().__init__(tiers.engines[0], keep_last=tiers.keep_last, **options)
+        self.tiers = tiers
+        self.copy = copy
+        self.shared = shared
+        self.part_bytes = tiers.part_bytes
+        self.tier = 0
+        self._replicas: tuple[int, ...] = ()
+        self._to_shared = True  # whether this save goes beyond the node-local stores
+
+    def _saves_held(self) -> int | None:
+        # and the save whose background copy is running, which keep_last leaves in place
+        held = super()._saves_held()
+        return held if held is None or len(self.tiers.engines) == 1 else held + 1
+
+    def _protected(self, checkpoint_id: str) -> list[str]:
+        # keep_last waits for the copies and exports of earlier checkpoints still in flight
+        return [checkpoint_id, *sorted(self.tiers.busy_ids())]
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        plans = super().prepare_global_plan(plans)
+        # an earlier save whose commit never came (it failed) has its peer copy skipped
+        self.tiers.peer_copies.abandon_undecided()
+        if not self.use_collectives:
+            return plans
+        self._to_shared = self.tiers.due_for_shared(self.shared)
+        if len(self.tiers.engines) == 1 or not self._to_shared:
+            return plans
+        self._replicas = self.tiers.plan_copies(
+            self._require_id(), self.save_id, self.lease, self.copy
+        )
+        return [
+            dataclasses.replace(
+                plan, storage_data=dataclasses.replace(plan.storage_data, replicas=self._replicas)
+            )
+            for plan in plans
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
+        where: SavePlanData = plan.storage_data
+        peers = self.tiers.peer_copies
+        written: Future[list[ItemLocation] | None] = Future()
+        if peers.active and self.use_collectives:
+            # queued before writing, on every rank, so every rank's copies run the same saves
+            peers.submit(self._require_id(), where.save_id, written.result)
+        try:
+            fut = super().write_data(plan, planner)
+            results = fut.wait()
+        except BaseException:
+            written.set_result(None)
+            raise
+        locations = [wr.storage_data for wr in results]
+        written.set_result(locations)
+        if where.replicas:
+            self.tiers.copy_in_background(
+                self._require_id(), where.save_id, where.replicas, locations
+            )
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        peers = self.tiers.peer_copies
+        try:
+            super().finish(metadata, results)
+        except BaseException:
+            if peers.active:
+                peers.abandon_undecided()
+            raise
+        checkpoint_id = self._require_id()
+        if peers.active and self.use_collectives:
+            raw = self.engine.get(meta_key(self.engine.prefix, checkpoint_id))
+            peers.committed(self.save_id, raw or b"", read_index(self.engine).live_saves())
+        if not self.use_collectives or not self._to_shared:
+            return
+        if not (self._replicas or self.tiers.durable is not None):
+            return
+        assert self.committed_at is not None
+        self.tiers.commit_in_background(
+            checkpoint_id,
+            self.save_id,
+            self._replicas,
+            metadata,
+            {wr.index: wr.storage_data for rank in results for wr in rank},
+            self._world_size(results),
+            self.committed_at,
+        )
