@@ -16,6 +16,18 @@ from pathlib import Path
 from typing import Any
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), for the machine line: figures from one VM
+    type are not another's."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A markdown table; cells are written as they are (format numbers before)."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -20,6 +20,14 @@ ranks, from the shared tier (kvckpt's ``RestoreStats``) and bytes sent; Redis's 
 restore's wall time; and whether the restored state is bit-exact. After the world-N cases, a
 ring exchange over the same gloo group measures what the exchange between ranks costs here.
 
+With ``--peers K,...`` (default ``1,2``) and ``--peer-hosts`` (default ``4,8``), the same state
+is also saved twice with ``Tiers([local, redis], peers=K, shared_every=1000)``: the first save
+reaches Redis, the second (the newest) only the nodes' stores and their K peers'. Per save:
+the bytes Redis took in (its ``total_net_input_bytes``, exact), the bytes the peers took in
+(``kvckpt.events``' ``peer`` events), and the seconds a save blocked and until its copies were
+done. Then ``plain``, ``one-replaced`` and ``two-replaced`` restore the newest with
+``Tiers(peers=K)``, counted as above (no baseline: Redis does not hold it).
+
     python benchmarks/restore_scale.py --out docs/benchmark          # 2, 4, 8 hosts, 64 MiB
     python benchmarks/restore_scale.py --hosts 2 --mib 2 --kinds ddp --cases plain
 
@@ -55,14 +63,15 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from report import markdown_table, write_report  # noqa: E402
+from report import cpu_name, markdown_table, write_report  # noqa: E402
 
-from kvckpt import KVStorageReader, Tiers  # noqa: E402
+from kvckpt import KVStorageReader, Tiers, events  # noqa: E402
 from kvckpt.engines.lmdb import close_idle_environments  # noqa: E402
 from kvckpt.testing import RedisServer, free_port  # noqa: E402
 
 MIB = 1 << 20
 CASES = ("plain", "one-replaced", "two-replaced", "all-lost", "halved", "doubled")
+PEER_CASES = ("plain", "one-replaced", "two-replaced")
 KINDS = ("ddp", "fsdp")
 TENSORS = 8  # the state is this many fp32 tensors of equal size
 
@@ -143,6 +152,61 @@ def save_worker(
     _finish()
 
 
+def peer_save_worker(
+    rank: int,
+    world: int,
+    port: int,
+    ranks_per_host: int,
+    root: str,
+    redis_url: str,
+    kind: str,
+    mib: float,
+    checkpoint_id: str,
+    peers: int,
+    out: str,
+) -> None:
+    """Two saves through ``Tiers(peers=K, shared_every=1000)``: the first reaches Redis, the
+    second (``checkpoint_id``) only the peers. Writes this rank's records of both."""
+    _init(rank, world, port, ranks_per_host)
+    client = redis.Redis.from_url(redis_url)
+    tiers = Tiers([host_url(root, rank, ranks_per_host), redis_url], peers=peers, shared_every=1000)
+    received = [0]
+
+    def count(event: events.Event) -> None:
+        if (event.operation, event.phase) == ("peer", "copy"):
+            received[0] += event.nbytes
+
+    unsubscribe = events.subscribe(count)
+    records = []
+    for cid in (f"{checkpoint_id}-older", checkpoint_id):
+        state = rank_state(kind, world, mib)
+        dist.barrier()
+        before, received[0] = int(client.info("stats")["total_net_input_bytes"]), 0
+        dist.barrier()
+        started = time.perf_counter()
+        dcp.save(state, storage_writer=tiers.writer(), checkpoint_id=cid)
+        blocking = time.perf_counter() - started
+        tiers.wait()
+        done = time.perf_counter() - started
+        dist.barrier()
+        into = int(client.info("stats")["total_net_input_bytes"]) - before
+        records.append(
+            {
+                "save": cid,
+                "rank": rank,
+                "into_shared": into,  # the same on every rank: what Redis took in from all
+                "to_peers": received[0],  # what this rank's node took in from its peers
+                "blocking_s": blocking,
+                "copies_done_s": done,
+            }
+        )
+    unsubscribe()
+    tiers.close()
+    client.close()
+    Path(out, f"save.rank{rank}.json").write_text(json.dumps(records))
+    _finish()
+
+
 def _served(client: redis.Redis) -> int:
     return int(client.info("stats")["total_net_output_bytes"])
 
@@ -164,16 +228,18 @@ def restore_worker(
     repeats: int,
     probe_mib: float,
     out: str,
+    peers: int = 0,
 ) -> None:
-    """Restore each case (name, root of its hosts' stores), then its baseline (Redis alone),
-    ``repeats`` rounds; then, if ``probe_mib``, the ring exchange. Writes this rank's records."""
+    """Restore each case (name, root of its hosts' stores), then its baseline (Redis alone;
+    none with ``peers``: Redis does not hold the newest), ``repeats`` rounds; then, if
+    ``probe_mib``, the ring exchange. Writes this rank's records."""
     _init(rank, world, port, ranks_per_host)
     client = redis.Redis.from_url(redis_url)
     want = rank_state(kind, world, mib)
     records: list[dict[str, Any]] = []
     for rep in range(repeats):
         for name, root in cases:
-            for mode in ("tiered", "baseline"):
+            for mode in ("tiered",) if peers else ("tiered", "baseline"):
                 state = rank_state(kind, world, mib, zeros=True)
                 dist.barrier()
                 load, before = _loadavg(), _served(client)
@@ -181,9 +247,11 @@ def restore_worker(
                 started = time.perf_counter()
                 stats = None
                 if mode == "tiered":
-                    tiers = Tiers([host_url(root, rank, ranks_per_host), redis_url])
+                    tiers = Tiers([host_url(root, rank, ranks_per_host), redis_url], peers=peers)
                     restored = tiers.restore(state)
-                    assert restored is not None and restored.checkpoint_id == checkpoint_id
+                    assert restored is not None
+                    # with peers, more lost nodes than K covers restore the older save
+                    assert restored.checkpoint_id in (checkpoint_id, f"{checkpoint_id}-older")
                     stats = tiers.last_restore_stats
                     assert stats is not None
                 else:
@@ -201,6 +269,7 @@ def restore_worker(
                     {
                         "case": name,
                         "mode": mode,
+                        "restored": None if stats is None else restored.checkpoint_id,
                         "repeat": rep,
                         "rank": rank,
                         "exact": exact,
@@ -334,6 +403,95 @@ def run_group(
     return results
 
 
+def run_peer_group(
+    hosts: int, kind: str, peers: int, args: argparse.Namespace, tmp: Path, redis_url: str
+) -> dict[str, Any]:
+    """Save twice with ``Tiers(peers=K)``, then restore the newest in each of ``PEER_CASES``."""
+    rph = args.ranks_per_host
+    world = hosts * rph
+    checkpoint_id = f"{kind}-{hosts}hosts-peers{peers}"
+    group = tmp / checkpoint_id
+    saved, out = group / "saved", group / "out"
+    out.mkdir(parents=True)
+    _spawn(
+        peer_save_worker, world, rph, str(saved), redis_url, kind, args.mib, checkpoint_id,
+        peers, str(out),
+    )  # fmt: skip
+    saves = [
+        rec for r in range(world) for rec in json.loads((out / f"save.rank{r}.json").read_text())
+    ]
+    lost = {"plain": set(), "one-replaced": {hosts - 1}, "two-replaced": {hosts - 2, hosts - 1}}
+    cases = [
+        (name, _copy_stores(saved, group / name, range(hosts), lost[name])) for name in PEER_CASES
+    ]
+    print(
+        f"{hosts} hosts, {kind}, peers={peers}: {world} ranks (loadavg {_loadavg():.2f})",
+        flush=True,
+    )
+    _spawn(
+        restore_worker, world, rph, cases, redis_url, kind, args.mib, checkpoint_id,
+        args.repeats, 0, str(out), peers,
+    )  # fmt: skip
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    results: dict[str, Any] = {"saves": saves}
+    for name, _ in cases:
+        results[name] = {
+            "ranks": world,
+            "ranks_per_host": rph,
+            "records": [rec for r in ranks for rec in r["records"] if rec["case"] == name],
+        }
+    shutil.rmtree(group)
+    redis.Redis.from_url(redis_url).flushall()
+    return results
+
+
+def _peer_rows(
+    peer_results: dict[str, dict[str, Any]],
+) -> tuple[list[tuple[Any, ...]], dict[str, Any]]:
+    rows, summaries = [], {}
+    for key, group in peer_results.items():
+        kind, hosts, peers = key.split("/")
+        saves = group["saves"]
+        per_save = {}
+        for cid in sorted({r["save"] for r in saves}):
+            mine = [r for r in saves if r["save"] == cid]
+            per_save[cid] = {
+                "into_shared": statistics.median(r["into_shared"] for r in mine),
+                "to_peers": sum(r["to_peers"] for r in mine),
+                "blocking_s_max": max(r["blocking_s"] for r in mine),
+                "copies_done_s_max": max(r["copies_done_s"] for r in mine),
+            }
+        older, newest = sorted(per_save, key=lambda c: not c.endswith("-older"))
+        first, last = per_save[older], per_save[newest]
+        for name in PEER_CASES:
+            t = summarize(group[name]["records"], "tiered")
+            summaries[f"{key}/{name}"] = {"saves": per_save, "tiered": t}
+            rows.append(
+                (
+                    hosts,
+                    kind,
+                    peers,
+                    name,
+                    group[name]["ranks"],
+                    "newest"
+                    if t["restored"] == [newest]
+                    else "older"
+                    if t["restored"] == [older]
+                    else "MIXED",
+                    f"{_mib(first['into_shared'])} / {_mib(last['into_shared'])}",
+                    _mib(last["to_peers"]),
+                    f"{last['blocking_s_max']:.2f} / {last['copies_done_s_max']:.2f}",
+                    _mib(t["local_total"]),
+                    _mib(t["peers_total"]),
+                    _mib(t["shared_total"]),
+                    _mib(t["served"]),
+                    f"{t['seconds_median']:.2f} / {t['seconds_max']:.2f}",
+                    "yes" if t["exact"] else "NO",
+                )
+            )
+    return rows, summaries
+
+
 def summarize(records: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     """Per-rank medians over the repeats, then median and max over the ranks."""
     mine = [r for r in records if r["mode"] == mode]
@@ -347,6 +505,7 @@ def summarize(records: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     seconds = per_rank("seconds")
     out = {
         "exact": all(r["exact"] for r in mine),
+        "restored": sorted({str(r.get("restored")) for r in mine}),
         "seconds_median": statistics.median(seconds),
         "seconds_max": max(seconds),
         "served": statistics.median(r["served"] for r in mine),
@@ -379,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--probe-mib", type=float, default=16, help="MiB per rank of the ring exchange (0: none)"
     )
+    ap.add_argument("--peers", default="1,2", help="Tiers(peers=K) cases (empty: none)")
+    ap.add_argument("--peer-hosts", default="4,8", help="numbers of hosts of the peers cases")
     ap.add_argument("--root", default=None, help="where the host stores go (default /dev/shm)")
     ap.add_argument("--out", default="docs/benchmark")
     args = ap.parse_args(argv)
@@ -400,10 +561,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loadavg at the start: {Path('/proc/loadavg').read_text().strip()}", flush=True)
     server = RedisServer(tmp / "redis")
     results: dict[str, dict[str, Any]] = {}
+    peer_results: dict[str, dict[str, Any]] = {}
+    peers_list = [int(k) for k in args.peers.split(",") if k]
     try:
         for hosts in hosts_list:
             for kind in args.kinds:
                 results[f"{kind}/{hosts}"] = run_group(hosts, kind, args, tmp, server.url())
+        for hosts in [int(h) for h in args.peer_hosts.split(",") if h]:
+            for kind in args.kinds:
+                for peers in peers_list:
+                    if peers < hosts:
+                        peer_results[f"{kind}/{hosts}/{peers}"] = run_peer_group(
+                            hosts, kind, peers, args, tmp, server.url()
+                        )
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -505,10 +675,33 @@ def main(argv: list[str] | None = None) -> int:
             for c in costs
         ),
     )
+    peer_rows, peer_summaries = _peer_rows(peer_results)
+    peer_table = markdown_table(
+        (
+            "hosts",
+            "state",
+            "K",
+            "case",
+            "ranks",
+            "restored",
+            "into Redis MiB, 1st / newest save",
+            "to peers MiB, newest save",
+            "save s: blocking / copies done",
+            "local MiB, all ranks",
+            "from other ranks MiB, all ranks",
+            "shared MiB (kvckpt)",
+            "Redis served MiB",
+            "restore s median / max",
+            "bit-exact",
+        ),
+        peer_rows,
+    )
     loads = [s[m]["loadavg_max"] for s in summaries.values() for m in ("tiered", "baseline")]
+    loads += [s["tiered"]["loadavg_max"] for s in peer_summaries.values()]
     minutes = (time.monotonic() - started) / 60
     machine = (
-        f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"{platform.machine()} {cpu_name()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}, "
         f"torch {torch.__version__}; every host, rank and the redis-server on this one machine "
         f"(loopback); {state_bytes / MIB:.0f} MiB of state, {args.ranks_per_host} rank(s) per "
         f"host, {args.repeats} round(s); highest 1-min loadavg at a restore {max(loads):.2f}; "
@@ -520,7 +713,14 @@ def main(argv: list[str] | None = None) -> int:
     write_report(
         args.out,
         "restore_scale",
-        f"{table}\n\nPer-byte costs here (all ranks together):\n\n{cost_table}",
+        f"{table}\n\nPer-byte costs here (all ranks together):\n\n{cost_table}"
+        + (
+            f"\n\nWith peers (Tiers(peers=K, shared_every=1000)): per save, what Redis and the "
+            f"peers took in; per restore of the newest, where each rank's bytes came "
+            f"from:\n\n{peer_table}"
+            if peer_rows
+            else ""
+        ),
         machine,
         {
             "command": command,
@@ -528,12 +728,19 @@ def main(argv: list[str] | None = None) -> int:
             "args": vars(args),
             "state_bytes": state_bytes,
             "cases": summaries,
+            "peer_cases": peer_summaries,
             "costs": costs,
             "raw": results,
+            "raw_peers": peer_results,
         },
     )
     inexact = [
         k for k, s in summaries.items() if not (s["tiered"]["exact"] and s["baseline"]["exact"])
+    ]
+    inexact += [
+        k
+        for k, s in peer_summaries.items()
+        if not s["tiered"]["exact"] or len(s["tiered"]["restored"]) != 1
     ]
     if inexact:
         print(f"NOT bit-exact: {', '.join(inexact)}", file=sys.stderr)
