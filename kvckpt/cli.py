@@ -236,11 +236,10 @@ def stats_command(url: str, as_json: bool) -> None:
         )
         click.echo(f"memory held  {human_bytes(held)} by the store's file{why}")
     if shares:
-        saves = len({s["checkpoint_id"] for s in shares})
+        ids = list(dict.fromkeys(s["checkpoint_id"] for s in shares))
         click.echo(
-            f"peer copies  other nodes' shares of {count(saves, 'checkpoint')} "
-            f"({', '.join(repr(s['checkpoint_id']) for s in shares[:5])}), kept for "
-            "Tiers(peers=K)"
+            f"peer copies  other nodes' shares of {count(len(ids), 'checkpoint')} "
+            f"({', '.join(repr(i) for i in ids[:5])}), kept for Tiers(peers=K)"
         )
     if infos:
         rows = [

@@ -21,7 +21,6 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from .catalog import peer_meta_prefix
 from .engines.base import Engine
-from .errors import KVCheckpointError
 from .format import CheckpointRecord, decode_metadata, meta_key
 from .manage import list_checkpoints
 
@@ -51,7 +50,7 @@ def held_items(
             owner.append((i, min(loc.part_bytes, loc.nbytes - p * loc.part_bytes)))
     try:
         sizes = engine.value_sizes(keys)
-    except KVCheckpointError as e:
+    except Exception as e:  # every rank must reach the collectives after this one
         logger.warning("kvckpt restore: %s holds nothing usable: %s", engine.url, e)
         return held
     held[:] = True
@@ -85,7 +84,7 @@ def _metadata_here(engine: Engine | None) -> dict[tuple[float, str, str], bytes]
             if info.complete and not info.rank_local
         ]
         raws += [engine.get(key) for key in engine.scan(peer_meta_prefix(engine.prefix))]
-    except KVCheckpointError as e:
+    except Exception as e:  # every rank must reach the collectives after this one
         logger.warning("kvckpt restore: %s lists nothing usable: %s", engine.url, e)
         return found
     for raw in raws:
@@ -93,7 +92,7 @@ def _metadata_here(engine: Engine | None) -> dict[tuple[float, str, str], bytes]
             continue
         try:
             record = decode_metadata(raw, where=engine.url)
-        except KVCheckpointError:
+        except Exception:
             continue
         if record.rank is None and record.created_at is not None:
             found[(record.created_at, record.checkpoint_id, record.save_id)] = raw

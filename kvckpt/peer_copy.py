@@ -10,21 +10,27 @@ How a copy stays correct and out of training's way:
 
 - **Its own process group.** The copies travel over a gloo group of their own, on a thread of
   their own, so a copy never blocks a training step or one of training's collectives.
-- **One copy per save, or none.** Every rank queues the save's copy when it starts writing
-  (every rank writes once the plan is agreed), and the copies run in save order on every
-  rank. The first step of each is an all-gather on the copies' group: every rank's locations,
-  and from the coordinator whether the save committed (it waits for that). A save that did
-  not commit, or a rank whose write failed, makes every rank skip the copy together.
+- **One copy per save, or none, in step on every rank.** The coordinator decides at the
+  save's plan that a save is copied (one of every rank of the job); every rank then queues
+  the copy as its write starts, and the copies run in save order. Each begins with an
+  all-gather of what every rank wrote (and which save it is copying: ranks out of step stop
+  the copies for the job rather than mix two saves); a rank whose write failed means no
+  commit, and every rank skips together. Only then does the coordinator say whether the save
+  committed (it waits for its commit) and every rank go on or skip together.
 - **Bytes moved once, within a budget.** A sender hands the store's own memory to the group
   (LMDB lends its map), a receiver lands each chunk in one buffer and writes it into its store;
-  no rank holds more than ``budget_bytes`` of chunks in flight at once.
+  a rank holds at most ``budget_bytes`` of chunks in flight at once (or one part, where a part
+  is larger than its share of the budget).
 - **Checked on arrival, committed last.** Each part is checked against the checksum its save
-  recorded before it is written; the copy is recorded as held (an index entry of the share's
-  ranks, origin ``peer``) only once all of it is in the store, and the coordinator's metadata
-  then follows (``peer_meta_key``), so a restore never counts a half-copied share.
-- **A failed copy never fails the save.** It is logged, emitted as an event, and reported by
-  ``Tiers.wait()``; the next save copies afresh. Retention reaches the copies one save later:
-  each copy drops the peer shares of saves the coordinator no longer keeps.
+  recorded before it is written, and a chunk that does not match is not stored. The copy is
+  recorded as held (an index entry of the share's ranks, origin ``peer``) once every rank's
+  part of it arrived whole, and the coordinator's metadata follows (``peer_meta_key``); a copy
+  that failed anywhere is deleted everywhere. (A restore counts a store's items by their keys,
+  each whole value of the save's own, checked again as it is read.)
+- **A failed copy never fails the save.** It is logged, emitted as a ``peer``/``failed``
+  event, and reported by ``Tiers.wait()``; the next save copies afresh. Only the group itself
+  failing (a peer gone) stops the copies for the rest of the job. Retention reaches the copies
+  at the next copy: it drops the peer shares of saves the coordinator no longer keeps.
 """
 
 from __future__ import annotations
@@ -32,10 +38,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +53,8 @@ from .adapter import byte_tensor, byte_view
 from .catalog import (
     PEER,
     Index,
+    LeaseRenewal,
+    _new_token,
     peer_meta_key,
     pending_name,
     read_index,
@@ -56,7 +63,7 @@ from .catalog import (
     update_index,
 )
 from .engines.base import Engine
-from .errors import IntegrityError, KVCheckpointError, ReplicationError
+from .errors import IntegrityError, ReplicationError
 from .format import ItemLocation, checksum, data_prefix
 from .node import node_id, run_in_background
 from .placement import Topology
@@ -71,7 +78,7 @@ DEFAULT_TIMEOUT = 600.0
 
 @dataclass
 class _Outcome:
-    """What the coordinator tells every rank about a save, at the start of its copy."""
+    """What the coordinator tells every rank about a save, once every rank wrote its part."""
 
     committed: bool
     metadata: bytes | None = None  # the encoded metadata (the coordinator's meta value)
@@ -80,11 +87,12 @@ class _Outcome:
 
 @dataclass
 class _Report:
-    """One rank's contribution to a copy's all-gather."""
+    """One rank's contribution to a copy's first all-gather."""
 
+    checkpoint_id: str
+    save_id: str
     ok: bool
     locations: list[ItemLocation] = field(default_factory=list)
-    outcome: _Outcome | None = None  # the coordinator's only
 
 
 @dataclass(frozen=True)
@@ -115,6 +123,7 @@ class PeerCopier:
         self.timeout = timeout
         self.topology: Topology | None = None
         self._group: Any = None
+        self._chunk = budget_bytes
         self._pool = ThreadPoolExecutor(
             1, thread_name_prefix="kvckpt-peers", initializer=run_in_background
         )
@@ -122,57 +131,68 @@ class PeerCopier:
         self._jobs: list[Future[None]] = []
         self._errors: list[BaseException] = []
         self._outcomes: dict[str, tuple[threading.Event, list[_Outcome]]] = {}
-        self._warned_alone = False
+        self._set_up = False
+        #: Why the copies stopped for the rest of the job (their group failed, or the ranks
+        #: fell out of step), or None.
+        self._broken: str | None = None
 
     # -- set-up (collective, training's thread) ---------------------------------------------
 
     @property
     def active(self) -> bool:
-        """Whether this job copies to peers: ``peers`` asked for and another node there."""
-        return self.peers > 0 and self._group is not None
+        """Whether this job copies to peers: ``peers`` asked for, another node there, and the
+        copies' group working."""
+        return self.peers > 0 and self._group is not None and self._broken is None
 
     def set_up(self) -> None:
         """Learn the job's nodes and open the copies' group, once, on every rank at once
-        (``Tiers.writer()``, called by every rank before each save)."""
-        if self.peers == 0 or self.topology is not None:
+        (``Tiers.writer()``, called by every rank before each save): a collective of the
+        default group, which no other thread may be using meanwhile."""
+        if self.peers == 0 or self._set_up:
             return
         if not (dist.is_available() and dist.is_initialized()):
             return
+        self._set_up = True
         nodes: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(nodes, node_id())
-        self.topology = Topology(tuple(str(n) for n in nodes))
-        if len(self.topology.order) < 2:
-            if not self._warned_alone:
-                logger.warning(
-                    "kvckpt tiers: peers=%d, but every rank of this job runs on node %r: there "
-                    "is no other node to copy to, so saves are kept as without peers",
-                    self.peers,
-                    self.topology.order[0],
-                )
-                self._warned_alone = True
+        topology = Topology(tuple(str(n) for n in nodes))
+        if len(topology.order) < 2:
+            logger.warning(
+                "kvckpt tiers: peers=%d, but every rank of this job runs on node %r: there is "
+                "no other node to copy to, so saves are kept as without peers",
+                self.peers,
+                topology.order[0],
+            )
             return
-        self._group = dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=self.timeout)
+        # Longer than a copy waits for the coordinator's commit: a rank never gives up on a
+        # collective that the others are still about to join.
+        group = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=2 * self.timeout + 60)
         )
+        # the budget, shared by the most streams any rank runs at once: the same on every rank
+        streams = max(
+            len(topology.sends(r, self.peers)) + len(topology.receives(r, self.peers))
+            for r in range(len(topology.nodes))
+        )
+        self._chunk = max(1, self.budget_bytes // max(1, streams))
+        self.topology, self._group = topology, group
 
     # -- the queue --------------------------------------------------------------------------
 
     def submit(
         self, checkpoint_id: str, save_id: str, written: Callable[[], list[ItemLocation] | None]
     ) -> None:
-        """Queue this rank's part of a save's copy (every rank, as its write starts).
-        ``written()`` blocks until the rank's write is done: its locations, or None if it
-        failed."""
+        """Queue this rank's part of a save's copy (every rank of a save that spans the job,
+        as its write starts). ``written()`` blocks until the rank's write is done: its
+        locations, or None if it failed."""
         if not self.active:
             return
-        if dist.get_rank() == 0:
-            with self._lock:
-                self._outcomes.setdefault(save_id, (threading.Event(), []))
-        # Retention leaves the data of a save being copied in place until the copy is done.
-        token = os.urandom(8).hex()
+        # Retention leaves the data of a save being copied in place while the copy renews
+        # this lease (a lease that lapsed lets it go: the copy then fails, detected).
+        token = _new_token()
         try:
             take_read_lease(self.engine, checkpoint_id, token, self.timeout)
-        except KVCheckpointError:
+        except Exception:
             token = ""  # a store that refuses it: the copy finds out if data goes missing
         job = self._pool.submit(self._copy, checkpoint_id, save_id, written, token)
         with self._lock:
@@ -180,22 +200,17 @@ class PeerCopier:
             self._jobs.append(job)
 
     def decided(self, save_id: str, outcome: _Outcome) -> None:
-        """On the coordinator: a save committed (or not), which its copy waits for."""
+        """On the coordinator: whether a save committed, which its copy waits for."""
         with self._lock:
             event, box = self._outcomes.setdefault(save_id, (threading.Event(), []))
         box.append(outcome)
         event.set()
 
-    def committed(self, save_id: str, metadata: bytes, live: set[tuple[str, str]]) -> None:
+    def committed(self, save_id: str, metadata: bytes | None, live: set[tuple[str, str]]) -> None:
         self.decided(save_id, _Outcome(True, metadata, frozenset(live)))
 
-    def abandon_undecided(self) -> None:
-        """On the coordinator: saves whose copy still waits for a commit that never came (a
-        save that failed) are skipped; ``Tiers.wait()`` and the next save's plan call it."""
-        with self._lock:
-            waiting = [s for s, (event, _) in self._outcomes.items() if not event.is_set()]
-        for save_id in waiting:
-            self.decided(save_id, _Outcome(False))
+    def not_committed(self, save_id: str) -> None:
+        self.decided(save_id, _Outcome(False))
 
     def wait(self, timeout: float | None = None) -> list[BaseException]:
         """Block until every copy queued so far is done; return their errors, once."""
@@ -210,6 +225,10 @@ class PeerCopier:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._group is not None:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self._group)
+            self._group = None
 
     # -- one save's copy (the copies' thread, every rank) --------------------------------------
 
@@ -221,8 +240,14 @@ class PeerCopier:
         lease: str,
     ) -> None:
         started = time.perf_counter()
+        renew: Callable[..., None] = _no_renewal
+        if lease:
+            renew = LeaseRenewal(
+                self.timeout,
+                lambda: take_read_lease(self.engine, checkpoint_id, lease, self.timeout),
+            )
         try:
-            nbytes = self._exchange(checkpoint_id, save_id, written)
+            nbytes = self._exchange(checkpoint_id, save_id, written, renew)
         except BaseException as e:
             logger.error("kvckpt tiers: %s", e)
             events.emit("peer", "failed", checkpoint_id, self.engine.url, 0.0, rank=dist.get_rank())
@@ -235,8 +260,10 @@ class PeerCopier:
                 self._errors.append(error)
             return
         finally:
+            with self._lock:
+                self._outcomes.pop(save_id, None)
             if lease:
-                with contextlib.suppress(KVCheckpointError):  # it lapses by itself
+                with contextlib.suppress(Exception):  # it lapses by itself
                     release_read_lease(self.engine, checkpoint_id, lease)
         if nbytes is not None:
             events.emit(
@@ -249,8 +276,6 @@ class PeerCopier:
             event, box = self._outcomes.setdefault(save_id, (threading.Event(), []))
         if not event.wait(self.timeout):
             return _Outcome(False)
-        with self._lock:
-            self._outcomes.pop(save_id, None)
         return box[0]
 
     def _exchange(
@@ -258,6 +283,7 @@ class PeerCopier:
         checkpoint_id: str,
         save_id: str,
         written: Callable[[], list[ItemLocation] | None],
+        renew: Callable[..., None],
     ) -> int | None:
         """The copy itself; returns the bytes this rank received, or None where the save
         is skipped."""
@@ -268,29 +294,41 @@ class PeerCopier:
         except BaseException:
             mine = None
         me = dist.get_rank()
-        report = _Report(mine is not None, mine or [])
-        if me == 0:
-            report.outcome = self._outcome(save_id)
+        # 1. What every rank wrote (no waiting: a rank whose write failed means no commit).
+        report = _Report(checkpoint_id, save_id, mine is not None, mine or [])
         reports: list[_Report | None] = [None] * dist.get_world_size()
         dist.all_gather_object(reports, report, group=group)
-        outcome = reports[0].outcome if reports[0] is not None else None
-        if outcome is None or not outcome.committed or not all(r and r.ok for r in reports):
+        saves = {(r.checkpoint_id, r.save_id) for r in reports if r is not None}
+        if len(saves) != 1:
+            self._broken = "the ranks' copies fell out of step"
+            raise ReplicationError(
+                f"peer copies stop for the rest of this job: the ranks are copying different "
+                f"saves ({sorted(saves)[:4]}), after an earlier copy failed on some of them"
+            )
+        if not all(r is not None and r.ok for r in reports):
             return None
+        # 2. Whether the save committed: the coordinator knows once its commit is done.
+        box: list[_Outcome | None] = [self._outcome(save_id) if me == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        outcome = box[0]
+        if outcome is None or not outcome.committed:
+            return None
+        self._tidy(checkpoint_id, save_id, outcome)
         sends = [(to, self._parts(report.locations, checkpoint_id, save_id)) for to in
                  topology.sends(me, self.peers)]  # fmt: skip
         receives = [
             (src, self._parts(reports[src].locations, checkpoint_id, save_id))  # type: ignore[union-attr]
             for src in topology.receives(me, self.peers)
         ]
-        chunk = self._chunk_bytes(topology, reports)
         trouble: list[str] = []
-        received = self._move(sends, receives, chunk, trouble)
-        # A copy counts only where every rank's part of it arrived whole.
+        received = self._move(sends, receives, trouble, renew)
+        # 3. A copy counts only where every rank's part of it arrived whole.
         failures: list[list[str] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(failures, trouble, group=group)
         failed = [f"rank {r}: {why}" for r, errs in enumerate(failures) for why in errs or []]
         if failed:
-            self.engine.delete([p.key for _, parts in receives for p in parts])
+            with contextlib.suppress(Exception):
+                self.engine.delete([p.key for _, parts in receives for p in parts])
             raise ReplicationError(
                 f"the peer copy of checkpoint {checkpoint_id!r} is not kept anywhere: "
                 + "; ".join(failed[:3])
@@ -312,74 +350,81 @@ class PeerCopier:
                 parts.append(_Part(key, size, loc.checksums[p] if loc.checksums else None))
         return parts
 
-    def _chunk_bytes(self, topology: Topology, reports: Sequence[_Report | None]) -> int:
-        """Bytes per chunk of one stream: the budget shared by the most streams any rank
-        runs at once (its sends and its receives), the same figure on every rank."""
-        streams = max(
-            len(topology.sends(r, self.peers)) + len(topology.receives(r, self.peers))
-            for r in range(len(reports))
-        )
-        return max(1, self.budget_bytes // max(1, streams))
-
     def _move(
         self,
         sends: list[tuple[int, list[_Part]]],
         receives: list[tuple[int, list[_Part]]],
-        chunk: int,
         trouble: list[str],
+        renew: Callable[..., None],
     ) -> int:
         """Send and receive every stream, chunk by chunk: in step s every rank posts the s-th
         chunk of each of its streams, so no rank waits on one that has not posted yet.
 
-        A part that cannot be sent whole goes as zeros, and a chunk that arrives damaged is
-        not stored: either way the rank goes on to the last step, so that no other rank waits
-        for it, and says why in ``trouble``; the copy is then kept nowhere."""
-        out = [(to, _chunks(parts, chunk)) for to, parts in sends]
-        into = [(src, _chunks(parts, chunk)) for src, parts in receives]
+        A part that cannot be sent whole goes as zeros, and a chunk that arrives damaged or
+        cannot be stored is not kept: either way the rank goes on to the last step, so that no
+        other rank waits for it, and says why in ``trouble``; the copy is then kept nowhere.
+        Only the group itself failing (a peer gone) ends the copies for the job."""
+        out = [(to, _chunks(parts, self._chunk)) for to, parts in sends]
+        into = [(src, _chunks(parts, self._chunk)) for src, parts in receives]
         steps = max([len(c) for _, c in out] + [len(c) for _, c in into] + [0])
         steps = self._max_steps(steps)
         received = 0
         for step in range(steps):
-            ops: list[Any] = []
-            landing: list[tuple[list[_Part], torch.Tensor]] = []
+            renew()
             sending = [(to, c[step]) for to, c in out if step < len(c)]
-            keys = [p.key for _, parts in sending for p in parts]
-            with self.engine.borrow(keys) as views:
+            landing = [(src, c[step], _buffer(c[step])) for src, c in into if step < len(c)]
+            with self._lent([p for _, parts in sending for p in parts], trouble) as views:
+                ops: list[Any] = []
                 at = 0
                 for to, parts in sending:
                     for tag, part in enumerate(parts):
-                        view = views[at]
-                        at += 1
-                        if view is None or view.nbytes != part.nbytes:
-                            trouble.append(f"{self.engine.url} no longer holds {part.key!r} whole")
-                            view = memoryview(bytearray(part.nbytes))
                         if part.nbytes:
-                            ops.append(
-                                dist.P2POp(dist.isend, byte_tensor(view), to, self._group, tag=tag)
-                            )
-                for src, c in into:
-                    if step >= len(c):
-                        continue
-                    parts = c[step]
-                    buffer = torch.empty(sum(p.nbytes for p in parts), dtype=torch.uint8)
+                            tensor = byte_tensor(views[at])
+                            ops.append(dist.P2POp(dist.isend, tensor, to, self._group, tag=tag))
+                        at += 1
+                for src, parts, buffer in landing:
                     start = 0
                     for tag, part in enumerate(parts):
                         if part.nbytes:
                             piece = buffer[start : start + part.nbytes]
                             ops.append(dist.P2POp(dist.irecv, piece, src, self._group, tag=tag))
                         start += part.nbytes
-                    landing.append((parts, buffer))
-                if ops:
-                    for work in dist.batch_isend_irecv(ops):
+                try:
+                    for work in dist.batch_isend_irecv(ops) if ops else []:
                         work.wait()
-            for parts, buffer in landing:
+                except Exception as e:
+                    self._broken = f"the copies' process group failed: {e}"
+                    raise ReplicationError(
+                        f"peer copies stop for the rest of this job: {self._broken} (a peer gone?)"
+                    ) from e
+            for _, parts, buffer in landing:
                 if trouble:
                     continue  # not kept anyway
                 try:
                     received += self._store(parts, buffer)
-                except KVCheckpointError as e:
+                except Exception as e:
                     trouble.append(str(e))
         return received
+
+    @contextlib.contextmanager
+    def _lent(self, parts: list[_Part], trouble: list[str]) -> Iterator[list[memoryview]]:
+        """The store's own memory of each part to send, for the length of one step; zeros,
+        and a word in ``trouble``, for a part it cannot lend whole."""
+        lending = contextlib.ExitStack()
+        views: Sequence[memoryview | None]
+        try:
+            views = lending.enter_context(self.engine.borrow([p.key for p in parts]))
+        except Exception as e:
+            trouble.append(f"cannot read {self.engine.url}: {e}")
+            views = [memoryview(bytearray(p.nbytes)) for p in parts]
+        with lending:
+            checked: list[memoryview] = []
+            for part, view in zip(parts, views, strict=True):
+                if view is None or view.nbytes != part.nbytes:
+                    trouble.append(f"{self.engine.url} no longer holds {part.key!r} whole")
+                    view = memoryview(bytearray(part.nbytes))
+                checked.append(view)
+            yield checked
 
     def _max_steps(self, steps: int) -> int:
         """Every rank runs as many steps as the rank with the most: the same on all."""
@@ -413,6 +458,31 @@ class PeerCopier:
             topology.ranks_of(node)[0] == rank
         )
 
+    def _tidy(self, checkpoint_id: str, save_id: str, outcome: _Outcome) -> None:
+        """Before a copy adds to the store: drop the peer shares (and their metadata) of saves
+        the coordinator no longer keeps, whether or not this copy then succeeds."""
+        engine = self.engine
+        stale = {
+            name: e
+            for name, e in read_index(engine).remote.items()
+            if e.get("origin") == PEER
+            and (e.get("checkpoint_id"), e.get("save_id")) not in outcome.live
+            and (e.get("checkpoint_id"), e.get("save_id")) != (checkpoint_id, save_id)
+        }
+        if not stale:
+            return
+
+        def change(idx: Index) -> None:
+            for name in stale:
+                idx.remote.pop(name, None)
+
+        update_index(engine, change)
+        for e in stale.values():
+            cid, sid, rank = e.get("checkpoint_id"), e.get("save_id"), e.get("rank")
+            if isinstance(cid, str) and isinstance(sid, str) and isinstance(rank, int):
+                engine.delete_prefix(f"{data_prefix(engine.prefix, cid, sid)}{rank}/")
+                engine.delete([peer_meta_key(engine.prefix, cid, sid)])
+
     def _commit(
         self,
         checkpoint_id: str,
@@ -422,22 +492,12 @@ class PeerCopier:
         topology: Topology,
         me: int,
     ) -> None:
-        """Record the shares received as held, drop peer shares of saves the coordinator no
-        longer keeps, and (the coordinator's node's targets) keep its metadata."""
+        """Record the shares received as held and (the coordinator's node's targets) keep
+        its metadata: the last writes of a copy."""
         engine = self.engine
-        index_before = read_index(engine)
-        stale = {
-            name: e
-            for name, e in index_before.remote.items()
-            if e.get("origin") == PEER
-            and (e.get("checkpoint_id"), e.get("save_id")) not in outcome.live
-            and (e.get("checkpoint_id"), e.get("save_id")) != (checkpoint_id, save_id)
-        }
         now = time.time()
 
         def change(idx: Index) -> None:
-            for name in stale:
-                idx.remote.pop(name, None)
             for rank in ranks:
                 idx.remote[pending_name(checkpoint_id, save_id, rank)] = {
                     "checkpoint_id": checkpoint_id,
@@ -447,15 +507,21 @@ class PeerCopier:
                     "written_at": now,
                 }
 
-        update_index(engine, change)
-        if self._keeps_metadata(topology, me) and outcome.metadata is not None:
+        if ranks:
+            update_index(engine, change)
+        if self._keeps_metadata(topology, me) and outcome.metadata:
             key = peer_meta_key(engine.prefix, checkpoint_id, save_id)
-            engine.transact([key], lambda _: {key: outcome.metadata})
-        for e in stale.values():
-            cid, sid, rank = e.get("checkpoint_id"), e.get("save_id"), e.get("rank")
-            if isinstance(cid, str) and isinstance(sid, str) and isinstance(rank, int):
-                engine.delete_prefix(f"{data_prefix(engine.prefix, cid, sid)}{rank}/")
-                engine.delete([peer_meta_key(engine.prefix, cid, sid)])
+            metadata = outcome.metadata
+            engine.transact([key], lambda _: {key: metadata})
+
+
+def _buffer(parts: list[_Part]) -> torch.Tensor:
+    """One chunk's landing buffer."""
+    return torch.empty(sum(p.nbytes for p in parts), dtype=torch.uint8)
+
+
+def _no_renewal(force: bool = False) -> None:
+    """A copy that holds no lease: nothing to renew."""
 
 
 def _chunks(parts: list[_Part], limit: int) -> list[list[_Part]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -24,46 +25,65 @@ class Topology:
 
     nodes: tuple[str, ...]
 
-    @property
+    @cached_property
     def order(self) -> tuple[str, ...]:
         """The node ids by lowest rank: node ``i`` of the ring is ``order[i]``."""
-        seen: dict[str, None] = {}
-        for node in self.nodes:
-            seen.setdefault(node, None)
-        return tuple(seen)
+        return tuple(dict.fromkeys(self.nodes))
+
+    @cached_property
+    def _place(self) -> dict[str, int]:
+        return {node: i for i, node in enumerate(self.order)}
+
+    @cached_property
+    def _ranks(self) -> dict[str, list[int]]:
+        ranks: dict[str, list[int]] = {node: [] for node in self.order}
+        for rank, node in enumerate(self.nodes):
+            ranks[node].append(rank)
+        return ranks
+
+    @cached_property
+    def _position(self) -> list[int]:
+        """Each rank's position among its node's ranks."""
+        position = [0] * len(self.nodes)
+        for ranks in self._ranks.values():
+            for i, rank in enumerate(ranks):
+                position[rank] = i
+        return position
 
     def ranks_of(self, node: str) -> list[int]:
-        return [r for r, n in enumerate(self.nodes) if n == node]
+        return self._ranks[node]
 
     def targets(self, node: str, peers: int) -> list[str]:
         """The nodes that keep copies of ``node``'s share: the ``peers`` after it on the
         ring (fewer where the job has fewer other nodes)."""
         order = self.order
-        i = order.index(node)
+        i = self._place[node]
         count = min(peers, len(order) - 1)
         return [order[(i + j) % len(order)] for j in range(1, count + 1)]
 
     def sources(self, node: str, peers: int) -> list[str]:
-        """The nodes whose shares ``node`` keeps copies of."""
-        return [n for n in self.order if n != node and node in self.targets(n, peers)]
+        """The nodes whose shares ``node`` keeps copies of: the ``peers`` before it."""
+        order = self.order
+        i = self._place[node]
+        count = min(peers, len(order) - 1)
+        return [order[(i - j) % len(order)] for j in range(1, count + 1)]
 
     def receiver(self, rank: int, target: str) -> int:
         """The rank of ``target`` that receives what ``rank`` wrote."""
-        mine = self.ranks_of(self.nodes[rank])
-        theirs = self.ranks_of(target)
-        return theirs[mine.index(rank) % len(theirs)]
+        theirs = self._ranks[target]
+        return theirs[self._position[rank] % len(theirs)]
 
     def sends(self, rank: int, peers: int) -> list[int]:
         """The ranks ``rank`` sends its writes to, one per target node, ring order."""
         return [self.receiver(rank, t) for t in self.targets(self.nodes[rank], peers)]
 
     def receives(self, rank: int, peers: int) -> list[int]:
-        """The ranks whose writes ``rank`` receives, by their nodes' place on the ring."""
+        """The ranks whose writes ``rank`` receives, nearest source node first."""
         node = self.nodes[rank]
         return [
             src
             for source in self.sources(node, peers)
-            for src in self.ranks_of(source)
+            for src in self._ranks[source]
             if self.receiver(src, node) == rank
         ]
 

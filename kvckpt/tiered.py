@@ -108,10 +108,11 @@ class Tiers:
             nodes restores the newest checkpoint without the shared tier
             (``kvckpt.peer_copy`` says how a copy stays whole). Needs a node-local first store
             and a job of more than one node (``kvckpt.node``); 0, the default, copies nothing.
-        shared_every: N: the further stores and ``durable`` get every N-th checkpoint (the
-            1st, the N+1-th, ...), and any one saved with ``tiers.writer(shared=True)`` (a
-            job's last). With ``peers``, a save every step and ``shared_every=50`` keeps a
-            node loss at one step and the shared tier's traffic at 1/50.
+        shared_every: N: the further stores get every N-th checkpoint (the 1st, the N+1-th,
+            ...), and any one saved with ``tiers.writer(shared=True)`` (a job's last);
+            ``durable`` gets every ``durable_every``-th of those. With ``peers``, a save every
+            step and ``shared_every=50`` keeps a node loss at one step and the shared tier's
+            traffic at 1/50.
         peer_budget_bytes: the bytes of chunks a rank holds in flight at once while copying
             to and from its peers.
         writer_options: passed to each ``KVStorageWriter`` (``checksums``, ``lease``, ...).
@@ -279,7 +280,6 @@ class Tiers:
         deadline = None if timeout is None else time.monotonic() + timeout
         for job in jobs:
             job.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        self.peer_copies.abandon_undecided()  # a save that failed: its copy is skipped
         peer_errors = self.peer_copies.wait(
             None if deadline is None else max(0.0, deadline - time.monotonic())
         )
@@ -690,7 +690,8 @@ class Tiers:
         ]
         dist.broadcast_object_list(choice, src=0)
         newest: Restore | None = choice[0]
-        if self.peer_copies.peers and not single_host:
+        node_local = not self.engines[0].shared
+        if node_local and (self.peer_copies.peers or self.shared_every > 1) and not single_host:
             # the nodes' stores between them may hold a newer save than any shared tier
             held = newest_held_whole(self.engines[0], None if newest is None else newest.created_at)
             if held is not None:

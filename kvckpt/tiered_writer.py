@@ -5,9 +5,11 @@ the durable directory, and into K other nodes' stores (``peers``)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -19,6 +21,8 @@ from .writer import KVStorageWriter, SavePlanData
 
 if TYPE_CHECKING:
     from .tiered import Tiers
+
+logger = logging.getLogger(__name__)
 
 
 class TieredStorageWriter(KVStorageWriter):
@@ -39,6 +43,7 @@ class TieredStorageWriter(KVStorageWriter):
         self.tier = 0
         self._replicas: tuple[int, ...] = ()
         self._to_shared = True  # whether this save goes beyond the node-local stores
+        self._peer_copy = False  # whether this save is copied to the peers
 
     def _saves_held(self) -> int | None:
         # and the save whose background copy is running, which keep_last leaves in place
@@ -51,19 +56,27 @@ class TieredStorageWriter(KVStorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         plans = super().prepare_global_plan(plans)
-        # an earlier save whose commit never came (it failed) has its peer copy skipped
-        self.tiers.peer_copies.abandon_undecided()
         if not self.use_collectives:
             return plans
-        self._to_shared = self.tiers.due_for_shared(self.shared)
-        if len(self.tiers.engines) == 1 or not self._to_shared:
-            return plans
-        self._replicas = self.tiers.plan_copies(
-            self._require_id(), self.save_id, self.lease, self.copy
+        peers = self.tiers.peer_copies
+        # Every rank of the job must queue the copy, or none: a save of every rank, by the
+        # coordinator of the job (rank 0), not a subgroup's or one rank's (no_dist).
+        self._peer_copy = (
+            peers.active and len(plans) == dist.get_world_size() and dist.get_rank() == 0
         )
+        self._to_shared = self.tiers.due_for_shared(self.shared)
+        if len(self.tiers.engines) > 1 and self._to_shared:
+            # a save sent to the shared tier on purpose is copied even while others run
+            copy = "every" if self.shared else self.copy
+            self._replicas = self.tiers.plan_copies(
+                self._require_id(), self.save_id, self.lease, copy
+            )
         return [
             dataclasses.replace(
-                plan, storage_data=dataclasses.replace(plan.storage_data, replicas=self._replicas)
+                plan,
+                storage_data=dataclasses.replace(
+                    plan.storage_data, replicas=self._replicas, peer_copy=self._peer_copy
+                ),
             )
             for plan in plans
         ]
@@ -72,7 +85,7 @@ class TieredStorageWriter(KVStorageWriter):
         where: SavePlanData = plan.storage_data
         peers = self.tiers.peer_copies
         written: Future[list[ItemLocation] | None] = Future()
-        if peers.active and self.use_collectives:
+        if where.peer_copy:
             # queued before writing, on every rank, so every rank's copies run the same saves
             peers.submit(self._require_id(), where.save_id, written.result)
         try:
@@ -94,13 +107,19 @@ class TieredStorageWriter(KVStorageWriter):
         try:
             super().finish(metadata, results)
         except BaseException:
-            if peers.active:
-                peers.abandon_undecided()
+            if self._peer_copy:
+                peers.not_committed(self.save_id)
             raise
         checkpoint_id = self._require_id()
-        if peers.active and self.use_collectives:
-            raw = self.engine.get(meta_key(self.engine.prefix, checkpoint_id))
-            peers.committed(self.save_id, raw or b"", read_index(self.engine).live_saves())
+        if self._peer_copy:
+            try:
+                raw = self.engine.get(meta_key(self.engine.prefix, checkpoint_id))
+                live = read_index(self.engine).live_saves()
+            except Exception as e:  # committed all the same: only its copy is skipped
+                logger.warning("kvckpt tiers: %r is not copied to peers: %s", checkpoint_id, e)
+                peers.not_committed(self.save_id)
+            else:
+                peers.committed(self.save_id, raw, live)
         if not self.use_collectives or not self._to_shared:
             return
         if not (self._replicas or self.tiers.durable is not None):

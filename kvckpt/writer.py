@@ -106,6 +106,9 @@ class SavePlanData:
     #: it keeps, so that ranks writing to another node's store can trim it (``tidy_remote_store``)
     coordinator_store: str | None = None
     coordinator_saves: tuple[tuple[str, str], ...] = ()
+    #: every rank queues a copy of its writes to its peers (``Tiers(peers=K)``): the
+    #: coordinator decides, for a save that spans the whole job
+    peer_copy: bool = False
 
 
 def _store_identity(engine: Engine) -> str | None:

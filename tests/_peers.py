@@ -17,6 +17,7 @@ import redis
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
 from kvckpt import ReplicationError, Tiers
@@ -185,4 +186,48 @@ def damaged_copy_worker(
         reported = str(e)
     tiers.close()
     Path(out, f"damaged.rank{rank}.json").write_text(json.dumps({"reported": reported}))
+    _finish()
+
+
+class _FailsOnOneRank(DefaultSavePlanner):
+    """A planner whose write fails on ``rank``: the whole save fails there and commits nowhere."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.failing = rank
+
+    def resolve_data(self, write_item: Any) -> Any:
+        if dist.get_rank() == self.failing:
+            raise RuntimeError("a write that fails on one rank")
+        return super().resolve_data(write_item)
+
+
+def async_and_failed_saves_worker(
+    rank: int, world: int, port: int, root: str, ranks_per_host: int, out: str
+) -> None:
+    """Several ranks per host, no shared tier: an async save, a save that fails on one rank,
+    then another async save; the copies stay in step through all three."""
+    _as_host(rank, ranks_per_host)
+    _init(rank, world, port)
+    tiers = Tiers(_stores(root, rank, ranks_per_host, None), peers=1)
+    group = dist.new_group(backend="gloo")  # async saves' own collectives
+    dcp.async_save(
+        step_state(world, 1), storage_writer=tiers.writer(), checkpoint_id="step-1",
+        process_group=group,
+    ).result()  # fmt: skip
+    failed = ""
+    try:
+        dcp.save(
+            step_state(world, 2), storage_writer=tiers.writer(), checkpoint_id="step-2",
+            planner=_FailsOnOneRank(world - 1), process_group=group,
+        )  # fmt: skip
+    except BaseException as e:
+        failed = type(e).__name__
+    dcp.async_save(
+        step_state(world, 3), storage_writer=tiers.writer(), checkpoint_id="step-3",
+        process_group=group,
+    ).result()  # fmt: skip
+    tiers.wait()
+    tiers.close()
+    Path(out, f"saves.rank{rank}.json").write_text(json.dumps({"failed": failed}))
     _finish()
