@@ -21,7 +21,10 @@ Systems:
 - DCP ``FileSystemWriter`` on /dev/shm;
 - kvckpt LMDB on /dev/shm; kvckpt Redis (a local redis-server);
 - kvckpt ``Tiers`` (LMDB, then Redis) with the node-local store wiped at each restart (a
-  replaced node), restoring through ``Tiers.prefetch()``.
+  replaced node), restoring through ``Tiers.prefetch()``;
+- kvckpt ``Tiers(peers=1, shared_every=--peers-shared-every)`` on two simulated hosts (each
+  rank its own ``KVCKPT_NODE`` and LMDB store), the killed rank's host's store wiped at each
+  restart: its share comes back from the other host's store.
 
 Every system saves either through ``dcp.async_save`` staged by ``kvckpt.background_stager()``
 (DCP's own ``DefaultStager`` set up for this host) or with a plain ``dcp.save``, whichever
@@ -100,7 +103,9 @@ from examples.train_resume import model_for  # noqa: E402
 from kvckpt.testing import RedisServer, torchrun_command  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "train_resume.py"
-SYSTEMS = ["dcp-disk", "dcp-shm", "lmdb", "redis", "tiers"]
+SYSTEMS = ["dcp-disk", "dcp-shm", "lmdb", "redis", "tiers", "tiers-peers"]
+#: the systems whose killed node is replaced (its store deleted at the restart)
+REPLACED = ("tiers", "tiers-peers")
 NAMES = {
     "none": "no checkpoints",
     "dcp-disk": "DCP FileSystemWriter, disk (cold cache after a kill)",
@@ -108,6 +113,7 @@ NAMES = {
     "lmdb": "kvckpt LMDB, /dev/shm",
     "redis": "kvckpt Redis",
     "tiers": "kvckpt Tiers, local store wiped (node replaced)",
+    "tiers-peers": "kvckpt Tiers(peers=1), a host per rank, the killed host's store wiped",
 }
 SHORT = {
     "dcp-disk": "DCP disk, cold cache",
@@ -115,6 +121,7 @@ SHORT = {
     "lmdb": "kvckpt LMDB",
     "redis": "kvckpt Redis",
     "tiers": "kvckpt Tiers, node replaced",
+    "tiers-peers": "kvckpt Tiers(peers=1), node replaced",
 }
 MODES = {
     "background": "async_save, kvckpt.background_stager()",
@@ -184,6 +191,7 @@ class Places:
     disk: Path
     server: RedisServer
     runs: int = 0
+    peers_shared_every: int = 10
 
     def store_args(self, system: str) -> list[str]:
         local = self.shm / "local"
@@ -194,6 +202,12 @@ class Places:
             "lmdb": ["--store", f"lmdb://{local}"],
             "redis": ["--store", self.server.url()],
             "tiers": ["--store", f"lmdb://{local}", "--store", self.server.url()],
+            # two simulated hosts, one a rank, each its own store; every N-th save to Redis
+            "tiers-peers": [
+                *("--store", f"lmdb://{local}/host{{rank}}", "--store", self.server.url()),
+                *("--peers", "1", "--shared-every", str(self.peers_shared_every)),
+                "--host-per-rank",
+            ],
         }[system]
 
     def clear(self) -> None:
@@ -380,15 +394,17 @@ def verify(
         while interval is not None and (len(tries) < args.verify_tries or _well_under(tries, args)):
             saves = max(args.verify_saves, math.ceil(args.verify_steps / interval))
             start = interval * max(1, math.ceil(after / interval))  # the interval's first save
-            last = start + interval * saves + (SETTLE_STEPS if system == "tiers" else 0)
+            last = start + interval * saves + (SETTLE_STEPS if system in REPLACED else 0)
             places.clear()
             wait_quiet(args)
             how = ["--every", str(interval), "--every-from", str(start)]
             how += ["--staging", chosen["mode"], "--also-save-at", ",".join(map(str, early))]
             ev = run_to_end(places, econ, system, args, "--steps", str(last), *how)
             t = step_times(ev)
-            if system == "tiers":
-                start = steady_start(ev, start, interval, last - interval * saves, args.keep_last)
+            if system in REPLACED:
+                start = steady_start(
+                    copies(ev, system), ev, start, interval, last - interval * saves, args.keep_last
+                )
             end = start + interval * saves
             overhead = (t[end] - t[start]) / (end - start) / none_step(places, econ, args) - 1
             tries.append({"interval": interval, "steps": [start, end], "overhead": overhead})
@@ -425,13 +441,25 @@ def warm_up(args: argparse.Namespace) -> tuple[list[int], int]:
 SETTLE_STEPS = 10
 
 
+def copies(ev: list[dict[str, Any]], system: str) -> list[dict[str, Any]]:
+    """The copies a replaced node of ``system`` restores from: into the shared tier for
+    ``tiers``, into the peers' stores for ``tiers-peers``."""
+    peers = system == "tiers-peers"
+    return [e for e in ev if e["event"] == "copied" and (e.get("tier") == "peers") == peers]
+
+
 def steady_start(
-    ev: list[dict[str, Any]], start: int, interval: int, latest: int, keep_last: int
+    copied_events: list[dict[str, Any]],
+    ev: list[dict[str, Any]],
+    start: int,
+    interval: int,
+    latest: int,
+    keep_last: int,
 ) -> int:
-    """The first step at the interval, from ``start`` and at most ``latest``, after the shared
-    tier committed its ``keep_last`` + 1-th copy: the memory it holds for the kept copy and
-    the one being written is then no longer fresh."""
-    copied = sorted(e["t"] for e in ev if e["event"] == "copied")
+    """The first step at the interval, from ``start`` and at most ``latest``, after the store
+    a replaced node restores from committed its ``keep_last`` + 1-th copy: the memory it holds
+    for the kept copy and the one being written is then no longer fresh."""
+    copied = sorted(e["t"] for e in copied_events)
     if len(copied) <= keep_last:
         return start
     t = step_times(ev)
@@ -591,13 +619,20 @@ def with_failures(
     extra += ["--every", str(interval) if system != "none" else "0"]
     if system == "tiers":
         extra += ["--wipe-on-restart", str(places.shm / "local")]
+    if system == "tiers-peers":  # rank 0's host, the one killed
+        extra += ["--wipe-on-restart", str(places.shm / "local" / "host0")]
     launched = time.time()
     proc, events, log = launch(places, econ, system, args, *extra)
     kills: list[float] = []
     reached: list[int] = []
-    # the event a committed save reports: a plain dcp.save has returned, an async one uploaded;
-    # for Tiers on a replaced node, the copy into the shared tier it restores from
-    committed = "copied" if system == "tiers" else "save" if mode == "sync" else "uploaded"
+
+    # the events of committed saves: a plain dcp.save has returned, an async one uploaded;
+    # for Tiers on a replaced node, the copies into the store it restores from
+    def committed(mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if system in REPLACED:
+            return copies(mine, system)
+        return [e for e in mine if e["event"] == ("save" if mode == "sync" else "uploaded")]
+
     for attempt, at in enumerate(args.kills):
         while True:  # the running attempt, back where the previous kill found it
             ev = events_of(events)
@@ -609,16 +644,13 @@ def with_failures(
                 steps = [e["step"] for e in mine if e["event"] == "loss"]
                 back = not reached or max(steps, default=-1) >= reached[-1]
                 restored = [e["step"] for e in mine if e["event"] == "ready"]
-                newer = bool(restored) and any(
-                    e["event"] == committed and e["step"] > restored[0] for e in mine
-                )
+                newer = bool(restored) and any(e["step"] > restored[0] for e in committed(mine))
                 # every kill finds the job in its steady state, as a failure hours into a job
                 # does: where the store it restores from has fresh memory, it has since
                 # committed the keep_last + 1 saves whose memory it holds, and one more, made
                 # once that was paid
                 steady = (
-                    not fresh_store(system, attempt)
-                    or sum(e["event"] == committed for e in mine) > args.keep_last + 1
+                    not fresh_store(system, attempt) or len(committed(mine)) > args.keep_last + 1
                 )
                 due = back and newer and steady and time.time() >= launched + at
             if starts and due and alive(starts[-1]["pid"]):
@@ -686,7 +718,7 @@ def with_failures(
         "failures": failures,
         "blocking_median": statistics.median(saves) if saves else 0.0,
         "blocking_max": max(saves, default=0.0),
-        **copy_lag(ev, args.keep_last + 1),
+        **copy_lag(ev, args.keep_last + 1, system),
     }
 
 
@@ -697,7 +729,7 @@ def fresh_store(system: str, attempt: int) -> bool:
     is replaced (a new node's store; its copies to the shared tier run beside that store's
     first saves). DCP writes every save into new files, so its saves pay for fresh memory in
     a long job's steady state too: nothing to wait for."""
-    return system == "tiers" or (attempt == 0 and system in ("lmdb", "redis"))
+    return system in REPLACED or (attempt == 0 and system in ("lmdb", "redis"))
 
 
 def back_from(
@@ -718,7 +750,7 @@ def back_from(
         time.sleep(0.05)
 
 
-def copy_lag(ev: list[dict[str, Any]], warm_up: int = 0) -> dict[str, Any]:
+def copy_lag(ev: list[dict[str, Any]], warm_up: int = 0, system: str = "tiers") -> dict[str, Any]:
     """How far behind the first tier a further tier runs: for each save that reached it (the
     "copied" events ``Tiers`` reports), seconds from the save's step to the copy's commit
     there; and how many of the saves got there (``copy="newest"`` skips saves made while a
@@ -726,7 +758,7 @@ def copy_lag(ev: list[dict[str, Any]], warm_up: int = 0) -> dict[str, Any]:
     first ``warm_up`` copies of each start are left out (into a new node's store and, once
     per server, the shared tier's fresh memory, beside the restart's own work). Empty for a
     system without further tiers."""
-    every = [e for e in ev if e["event"] == "copied"]
+    every = copies(ev, system)
     if not every:
         return {}
     steady: list[dict[str, Any]] = []
@@ -894,7 +926,8 @@ def table(results: dict[str, Any]) -> str:
     )
     base = statistics.median(f["relaunch"] for f in results["relaunch_alone"]["failures"])
     lags = [
-        f"{NAMES[system]}: {r['copies']} of {r['saves']} saves reached the shared tier, "
+        f"{NAMES[system]}: {r['copies']} of {r['saves']} saves reached "
+        f"{'the peers' if system == 'tiers-peers' else 'the shared tier'}, "
         f"{r['copy_lag_median']:.1f} s after their step (median; max {r['copy_lag_max']:.1f} s); "
         f"a replaced node resumed "
         f"{statistics.median(f['step_reached'] - f['resumed_from_step'] for f in r['failures']):g}"
@@ -1142,6 +1175,12 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=3, help="of each time-to-first-step case")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument(
+        "--peers-shared-every",
+        type=int,
+        default=10,
+        help="tiers-peers: Tiers(shared_every=N), every N-th save also to Redis",
+    )
     ap.add_argument("--max-busy", type=float, default=0.15)
     ap.add_argument("--disk-dir", default=None, help="a directory on disk (default: /tmp)")
     ap.add_argument("--out", default="benchmarks/results")
@@ -1179,7 +1218,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvckpt-goodput-"))
     shm = Path(tempfile.mkdtemp(prefix="kvckpt-goodput-", dir="/dev/shm"))
     disk = Path(tempfile.mkdtemp(prefix="kvckpt-goodput-", dir=args.disk_dir))
-    places = Places(work, shm, disk, RedisServer(work / "redis"))
+    places = Places(work, shm, disk, RedisServer(work / "redis"), 0, args.peers_shared_every)
     started = time.time()
     results: dict[str, Any] = {}
     try:

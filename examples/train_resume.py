@@ -262,11 +262,25 @@ class DirectoryStore:
 class KVStore:
     """kvckpt through ``Tiers`` (one store, or several with background copies)."""
 
-    def __init__(self, urls: list[str], durable: str | None, every: int, keep: int) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        durable: str | None,
+        every: int,
+        keep: int,
+        peers: int = 0,
+        shared_every: int = 1,
+    ) -> None:
         # copy="newest": a training loop that saves faster than the copies to the shared tier
         # go never queues them up
         self.tiers = kvckpt.Tiers(
-            urls, durable=durable, durable_every=every, keep_last=keep, copy="newest"
+            urls,
+            durable=durable,
+            durable_every=every,
+            keep_last=keep,
+            copy="newest",
+            peers=peers,
+            shared_every=shared_every,
         )
 
     def prefetch(self, force: bool = False) -> None:
@@ -372,7 +386,20 @@ def main() -> None:
         "restart: the node-local store of a replaced node",
     )
     ap.add_argument("--events", help="a file for JSON lines from rank 0")
+    ap.add_argument("--peers", type=int, default=0, help="Tiers(peers=K)")
+    ap.add_argument("--shared-every", type=int, default=1, help="Tiers(shared_every=N)")
+    ap.add_argument(
+        "--host-per-rank",
+        action="store_true",
+        help="simulate a host per rank: KVCKPT_NODE=host<rank>, and {rank} in --store "
+        "replaced by the rank (each host its own store)",
+    )
     args = ap.parse_args()
+    if args.host_per_rank:
+        rank_text = os.environ["RANK"]
+        os.environ["KVCKPT_NODE"] = f"host{rank_text}"
+        os.environ["LOCAL_WORLD_SIZE"] = "1"  # the ranks sharing this host's store: itself
+        args.store = [s.replace("{rank}", rank_text) for s in args.store]
 
     init_distributed("nccl" if args.economy == "cuda" else "gloo")
     rank = dist.get_rank()
@@ -389,7 +416,14 @@ def main() -> None:
     if args.store[0].startswith("dcp:"):
         store: DirectoryStore | KVStore = DirectoryStore(args.store[0][4:], args.keep_last)
     else:
-        store = KVStore(args.store, args.durable, args.durable_every, args.keep_last)
+        store = KVStore(
+            args.store,
+            args.durable,
+            args.durable_every,
+            args.keep_last,
+            args.peers,
+            args.shared_every,
+        )
     if not args.no_prefetch:
         store.prefetch(force=args.force_prefetch)
 
@@ -417,10 +451,12 @@ def main() -> None:
         log(event="uploaded", step=step, seconds=time.perf_counter() - begun)
 
     def copied(event: kvckpt.events.Event) -> None:
-        """A checkpoint reached a further tier: how fresh a replaced node's restore can be."""
-        if event.operation == "copy" and event.phase == "commit":
+        """A checkpoint reached a further tier, or the peers: how fresh a replaced node's
+        restore can be."""
+        if (event.operation, event.phase) in (("copy", "commit"), ("peer", "copy")):
             step = int(event.checkpoint_id.rpartition("-")[2])
-            log(event="copied", step=step, tier=event.tier, t=event.ended_at)
+            tier = "peers" if event.operation == "peer" else event.tier
+            log(event="copied", step=step, tier=tier, t=event.ended_at)
 
     kvckpt.events.subscribe(copied)
 

@@ -81,14 +81,7 @@ def _export(engine: Engine, checkpoint_id: str, out: Path, progress: bool) -> Pa
             "export supports checkpoints saved with collectives"
         )
     (record,) = records
-    created = first_missing(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        used = any(out.iterdir())
-    except OSError as e:
-        raise unwritable(checkpoint_id, out, e) from None
-    if used:
-        raise not_empty(checkpoint_id, out)
+    created = empty_output_dir(checkpoint_id, out)
     try:
         _write_export(engine, record, out, progress)
     except BaseException as e:
@@ -149,6 +142,20 @@ def first_missing(path: Path) -> Path | None:
             break
         missing = p
     return missing
+
+
+def empty_output_dir(checkpoint_id: str, out: Path) -> Path | None:
+    """Make ``out`` the empty directory an export writes into, or fail naming it and the fix;
+    returns what it created (``undo_export`` removes it after a failure)."""
+    created = first_missing(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        used = any(out.iterdir())
+    except OSError as e:
+        raise unwritable(checkpoint_id, out, e) from None
+    if used:
+        raise not_empty(checkpoint_id, out)
+    return created
 
 
 def undo_export(out: Path, created: Path | None) -> None:

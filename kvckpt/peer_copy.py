@@ -199,6 +199,14 @@ class PeerCopier:
             self._jobs = [j for j in self._jobs if not j.done()]
             self._jobs.append(job)
 
+    def busy(self) -> bool:
+        """Whether a copy is queued or running here: the coordinator copies a new save only
+        when none is, as ``Tiers(copy="newest")`` does for the shared tier, so that copies
+        never queue up behind a loop that saves faster than they go (each queued copy would
+        also keep its save in the store, past ``keep_last``)."""
+        with self._lock:
+            return any(not job.done() for job in self._jobs)
+
     def decided(self, save_id: str, outcome: _Outcome) -> None:
         """On the coordinator: whether a save committed, which its copy waits for."""
         with self._lock:

@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .dcp_files import first_missing, load_in_process, not_empty, undo_export, unwritable
+from .dcp_files import empty_output_dir, load_in_process, undo_export, unwritable
 from .engines.base import Engine
 from .errors import KVCheckpointError
 from .stores import open_store
@@ -122,14 +122,7 @@ def export_safetensors(
     metadata = KVStorageReader(engine, checkpoint_id=checkpoint_id).read_metadata()
     tensors = _select(metadata.state_dict_metadata, checkpoint_id, prefix, include, written)
     shards = _shards(tensors, max_shard_bytes)
-    created = first_missing(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        used = any(out.iterdir())
-    except OSError as e:
-        raise unwritable(checkpoint_id, out, e) from None
-    if used:
-        raise not_empty(checkpoint_id, out)
+    created = empty_output_dir(checkpoint_id, out)
     names = [
         out / f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, 1 + len(shards))
     ]

@@ -60,9 +60,14 @@ class TieredStorageWriter(KVStorageWriter):
             return plans
         peers = self.tiers.peer_copies
         # Every rank of the job must queue the copy, or none: a save of every rank, by the
-        # coordinator of the job (rank 0), not a subgroup's or one rank's (no_dist).
+        # coordinator of the job (rank 0), not a subgroup's or one rank's (no_dist); and, like
+        # copy="newest", none while the copy of an earlier save still runs (or the save
+        # asked for the shared tier: the job's last one is copied everywhere).
         self._peer_copy = (
-            peers.active and len(plans) == dist.get_world_size() and dist.get_rank() == 0
+            peers.active
+            and len(plans) == dist.get_world_size()
+            and dist.get_rank() == 0
+            and (self.shared or not peers.busy())
         )
         self._to_shared = self.tiers.due_for_shared(self.shared)
         if len(self.tiers.engines) > 1 and self._to_shared:

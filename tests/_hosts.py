@@ -58,6 +58,16 @@ def rank_state(world: int, mib: float, zeros: bool = False) -> dict[str, Any]:
     return state
 
 
+def bit_exact(state: dict[str, Any], want: dict[str, Any]) -> bool:
+    """Whether a restored state (DTensors gathered whole) equals ``want``, bit for bit."""
+    exact = True
+    for k, v in state.items():
+        got = v.full_tensor() if isinstance(v, DTensor) else v
+        same = torch.equal(got, want[k]) if isinstance(got, torch.Tensor) else got == want[k]
+        exact &= bool(same)
+    return exact
+
+
 def host_url(root: str, rank: int, ranks_per_host: int) -> str:
     return f"lmdb://{root}/host{rank // ranks_per_host}"
 
@@ -119,12 +129,7 @@ def restore_worker(
             stats = reader.stats
         dist.barrier()
         served = int(client.info("stats")["total_net_output_bytes"]) - before
-        exact = True
-        for k, v in state.items():
-            got = v.full_tensor() if isinstance(v, DTensor) else v
-            exact &= (
-                bool(torch.equal(got, want[k])) if isinstance(got, torch.Tensor) else got == want[k]
-            )
+        exact = bit_exact(state, want)
         Path(out, f"{name}.rank{rank}.json").write_text(
             json.dumps(
                 {

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from kvckpt import ReplicationError, Tiers
 
 from ._dist import _finish, _init
-from ._hosts import _as_host, full_state, host_url, rank_state
+from ._hosts import _as_host, bit_exact, full_state, host_url, rank_state
 
 MIB = 0.5
 
@@ -120,12 +120,7 @@ def restore_worker(
         served = 0 if client is None else int(client.info("stats")["total_net_output_bytes"])
         step = int(state["step"])
         want = expected(step)
-        exact = True
-        for k, v in state.items():
-            got = v.full_tensor() if isinstance(v, DTensor) else v
-            exact &= (
-                bool(torch.equal(got, want[k])) if isinstance(got, torch.Tensor) else got == want[k]
-            )
+        exact = bit_exact(state, want)
         Path(out, f"{name}.rank{rank}.json").write_text(
             json.dumps(
                 {

@@ -138,7 +138,7 @@ def test_gpu_benchmark_without_a_gpu_says_so() -> None:
         assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr
 
 
-@pytest.mark.timeout(600)  # about 25 short 2-rank training jobs on two cores
+@pytest.mark.timeout(900)  # about 35 short 2-rank training jobs on two cores
 def test_goodput_smoke_run(tmp_path) -> None:
     """benchmarks/goodput.py end to end in both economies with a tiny state: each interval
     estimated and measured once, time to first step, a run with one SIGKILL per system, the
@@ -150,16 +150,16 @@ def test_goodput_smoke_run(tmp_path) -> None:
         *("--cpu-width", "32", "--cpu-layers", "1", "--cpu-modes", "background"),
         *("--steps", "400", "--kills", "4"),
         *("--calibrate-saves", "1", "--calibrate-warmup", "1", "--calibrate-every", "3"),
-        *("--verify-steps", "6", "--repeats", "1", "--systems", "lmdb,tiers"),
+        *("--verify-steps", "6", "--repeats", "1", "--systems", "lmdb,tiers,tiers-peers"),
         *("--max-busy", "1", "--out", str(out)),
-        timeout=600,
+        timeout=900,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     data = json.loads((out / "goodput.json").read_text())
     assert set(data["economies"]) == {"accel", "cpu"}
     for economy in data["economies"].values():
-        assert set(economy["failures"]) == {"lmdb", "tiers"}
-        for system in ("lmdb", "tiers"):  # each interval was measured before the failure runs
+        assert set(economy["failures"]) == {"lmdb", "tiers", "tiers-peers"}
+        for system in ("lmdb", "tiers", "tiers-peers"):  # each interval measured before failures
             chosen = economy["calibration"][system]
             assert 1 <= len(chosen["verified"]) <= 3  # more only below half the limit
             assert economy["failures"][system]["interval"] == chosen["interval"]
@@ -227,11 +227,18 @@ def test_goodput_interval_search(monkeypatch) -> None:
 
     # A Tiers check's window starts once the shared tier holds keep_last + 1 copies.
     ev = [{"event": "loss", "step": s, "t": float(s)} for s in range(1, 41)]
-    ev += [{"event": "copied", "step": s, "t": t} for s, t in ((3, 13.5), (15, 23.2), (24, 26.0))]
-    assert goodput.steady_start(ev, 15, 1, 24, keep_last=1) == 24
-    assert goodput.steady_start(ev, 15, 4, 24, keep_last=1) == 24
-    assert goodput.steady_start(ev, 15, 1, 20, keep_last=1) == 20  # the window must fit
-    assert goodput.steady_start(ev, 15, 1, 24, keep_last=3) == 15  # not yet: the nominal
+    ev += [
+        {"event": "copied", "step": s, "t": t, "tier": 1}
+        for s, t in ((3, 13.5), (15, 23.2), (24, 26.0))
+    ]
+    ev += [{"event": "copied", "step": 2, "t": 2.5, "tier": "peers"}]  # not the shared tier's
+    copied = goodput.copies(ev, "tiers")
+    assert [e["step"] for e in copied] == [3, 15, 24]
+    assert [e["step"] for e in goodput.copies(ev, "tiers-peers")] == [2]
+    assert goodput.steady_start(copied, ev, 15, 1, 24, keep_last=1) == 24
+    assert goodput.steady_start(copied, ev, 15, 4, 24, keep_last=1) == 24
+    assert goodput.steady_start(copied, ev, 15, 1, 20, keep_last=1) == 20  # the window must fit
+    assert goodput.steady_start(copied, ev, 15, 1, 24, keep_last=3) == 15  # not yet: nominal
 
 
 def test_restore_scale_smoke_run(tmp_path) -> None:
@@ -242,7 +249,8 @@ def test_restore_scale_smoke_run(tmp_path) -> None:
     result = run_benchmark(
         "restore_scale.py",
         *("--hosts", "2", "--mib", "1", "--kinds", "ddp", "--cases", "plain,one-replaced"),
-        *("--probe-mib", "1", "--root", str(tmp_path), "--out", str(out)),
+        *("--probe-mib", "1", "--peers", "1", "--peer-hosts", "3"),
+        *("--root", str(tmp_path), "--out", str(out)),
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     data = json.loads((out / "restore_scale.json").read_text())
@@ -256,3 +264,15 @@ def test_restore_scale_smoke_run(tmp_path) -> None:
     assert one["tiered"]["shared_total"] == state / 2  # host 1's share of the replicated items
     assert data["costs"][0]["exchange_gbps"] > 0
     assert (out / "restore_scale.md").read_text().startswith("| hosts | state | case |")
+    # With peers=1 on 3 hosts: one replaced host restores the newest save with nothing from
+    # the shared tier; two (neighbours) restore the older one, which Redis and the survivors
+    # hold whole between them
+    peers = data["peer_cases"]
+    for name in ("plain", "one-replaced"):
+        case = peers[f"ddp/3/1/{name}"]["tiered"]
+        assert case["exact"] and case["restored"] == ["ddp-3hosts-peers1"], name
+        assert case["shared_total"] == 0, name
+    two = peers["ddp/3/1/two-replaced"]
+    assert two["tiered"]["restored"] == ["ddp-3hosts-peers1-older"] and two["tiered"]["exact"]
+    newest = two["saves"]["ddp-3hosts-peers1"]
+    assert newest["into_shared"] < 4096 and newest["to_peers"] == state
