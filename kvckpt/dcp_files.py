@@ -81,14 +81,8 @@ def _export(engine: Engine, checkpoint_id: str, out: Path, progress: bool) -> Pa
             "export supports checkpoints saved with collectives"
         )
     (record,) = records
-    created = empty_output_dir(checkpoint_id, out)
-    try:
+    with export_directory(checkpoint_id, out):
         _write_export(engine, record, out, progress)
-    except BaseException as e:
-        undo_export(out, created)
-        if isinstance(e, OSError) and not isinstance(e, KVCheckpointError):
-            raise unwritable(checkpoint_id, out, e) from e
-        raise
     return out
 
 
@@ -156,6 +150,21 @@ def empty_output_dir(checkpoint_id: str, out: Path) -> Path | None:
     if used:
         raise not_empty(checkpoint_id, out)
     return created
+
+
+@contextlib.contextmanager
+def export_directory(checkpoint_id: str, out: Path) -> Iterator[None]:
+    """An export's empty directory (``empty_output_dir``) for the length of the block; a
+    block that fails leaves nothing behind (``undo_export``), and an OS error it raised is
+    named as a path that cannot be written."""
+    created = empty_output_dir(checkpoint_id, out)
+    try:
+        yield
+    except BaseException as e:
+        undo_export(out, created)
+        if isinstance(e, OSError) and not isinstance(e, KVCheckpointError):
+            raise unwritable(checkpoint_id, out, e) from e
+        raise
 
 
 def undo_export(out: Path, created: Path | None) -> None:

@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .dcp_files import empty_output_dir, load_in_process, undo_export, unwritable
+from .dcp_files import export_directory, load_in_process
 from .engines.base import Engine
 from .errors import KVCheckpointError
 from .stores import open_store
@@ -122,11 +122,10 @@ def export_safetensors(
     metadata = KVStorageReader(engine, checkpoint_id=checkpoint_id).read_metadata()
     tensors = _select(metadata.state_dict_metadata, checkpoint_id, prefix, include, written)
     shards = _shards(tensors, max_shard_bytes)
-    created = empty_output_dir(checkpoint_id, out)
     names = [
         out / f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, 1 + len(shards))
     ]
-    try:
+    with export_directory(checkpoint_id, out):
         # One batch of tensors in memory at a time, of at most the largest tensor's bytes.
         budget = max(t.slot_bytes for t in tensors)
         for shard, name in zip(shards, names, strict=True):
@@ -137,11 +136,6 @@ def export_safetensors(
             "weight_map": weight_map,
         }
         (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    except BaseException as e:
-        undo_export(out, created)
-        if isinstance(e, OSError) and not isinstance(e, KVCheckpointError):
-            raise unwritable(checkpoint_id, out, e) from e
-        raise
     return out
 
 

@@ -7,22 +7,59 @@ from __future__ import annotations
 import dataclasses
 import logging
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
 from .catalog import read_index
+from .engines.base import Engine
 from .format import ItemLocation, meta_key
+from .peer_copy import PeerCopier
 from .writer import KVStorageWriter, SavePlanData
 
-if TYPE_CHECKING:
-    from .tiered import Tiers
-
 logger = logging.getLogger(__name__)
+
+
+class _Tiers(Protocol):
+    """What the writer needs of its ``kvckpt.Tiers`` (which builds it: no import upward)."""
+
+    engines: list[Engine]
+    keep_last: int | None
+    part_bytes: int
+    durable: Path | None
+    peer_copies: PeerCopier
+
+    def busy_ids(self) -> set[str]: ...
+
+    def due_for_shared(self, asked: bool) -> bool: ...
+
+    def plan_copies(
+        self, checkpoint_id: str, save_id: str, lease: float, copy: str | None = None
+    ) -> tuple[int, ...]: ...
+
+    def copy_in_background(
+        self,
+        checkpoint_id: str,
+        save_id: str,
+        replicas: tuple[int, ...],
+        locations: list[ItemLocation],
+    ) -> None: ...
+
+    def commit_in_background(
+        self,
+        checkpoint_id: str,
+        save_id: str,
+        replicas: tuple[int, ...],
+        metadata: Metadata,
+        locations: dict[MetadataIndex, ItemLocation],
+        world_size: int,
+        created_at: float,
+    ) -> None: ...
 
 
 class TieredStorageWriter(KVStorageWriter):
@@ -33,7 +70,7 @@ class TieredStorageWriter(KVStorageWriter):
     job's last checkpoint)."""
 
     def __init__(
-        self, tiers: Tiers, *, copy: str | None = None, shared: bool = False, **options: Any
+        self, tiers: _Tiers, *, copy: str | None = None, shared: bool = False, **options: Any
     ) -> None:
         super().__init__(tiers.engines[0], keep_last=tiers.keep_last, **options)
         self.tiers = tiers
