@@ -654,6 +654,20 @@ PREFETCHED = "prefetch"
 PEER = "peer"
 
 
+def remote_entry(
+    checkpoint_id: str, save_id: str, rank: int, origin: str, written_at: float
+) -> dict[str, Any]:
+    """An index ``remote`` entry: ``rank``'s data of a save, held in this store for
+    ``origin`` (the coordinator's store, ``PREFETCHED`` or ``PEER``)."""
+    return {
+        "checkpoint_id": checkpoint_id,
+        "save_id": save_id,
+        "rank": rank,
+        "origin": origin,
+        "written_at": written_at,
+    }
+
+
 def peer_meta_key(prefix: str, checkpoint_id: str, save_id: str) -> str:
     """Where a node that keeps peer copies of the coordinator's node's share keeps the save's
     metadata too (the coordinator's meta value, as it is): ``{P}/peermeta/<id>/<save id>``.
@@ -676,13 +690,9 @@ def record_share(engine: Engine, checkpoint_id: str, save_id: str, ranks: list[i
     def change(idx: Index) -> None:
         idx.pending.pop(pending_name(checkpoint_id, save_id, None), None)
         for rank in ranks:
-            idx.remote[pending_name(checkpoint_id, save_id, rank)] = {
-                "checkpoint_id": checkpoint_id,
-                "save_id": save_id,
-                "rank": rank,
-                "origin": PREFETCHED,
-                "written_at": now,
-            }
+            idx.remote[pending_name(checkpoint_id, save_id, rank)] = remote_entry(
+                checkpoint_id, save_id, rank, PREFETCHED, now
+            )
 
     update_index(engine, change)
     release_lease(engine, checkpoint_id, save_id, None)
@@ -731,13 +741,9 @@ def tidy_remote_store(
     def change(idx: Index) -> None:
         for name in stale:
             idx.remote.pop(name, None)
-        idx.remote[pending_name(checkpoint_id, save_id, rank)] = {
-            "checkpoint_id": checkpoint_id,
-            "save_id": save_id,
-            "rank": rank,
-            "origin": origin,
-            "written_at": time.time(),
-        }
+        idx.remote[pending_name(checkpoint_id, save_id, rank)] = remote_entry(
+            checkpoint_id, save_id, rank, origin, time.time()
+        )
 
     update_index(engine, change)
     return deleted

@@ -59,6 +59,7 @@ from .catalog import (
     pending_name,
     read_index,
     release_read_lease,
+    remote_entry,
     take_read_lease,
     update_index,
 )
@@ -507,13 +508,9 @@ class PeerCopier:
 
         def change(idx: Index) -> None:
             for rank in ranks:
-                idx.remote[pending_name(checkpoint_id, save_id, rank)] = {
-                    "checkpoint_id": checkpoint_id,
-                    "save_id": save_id,
-                    "rank": rank,
-                    "origin": PEER,
-                    "written_at": now,
-                }
+                idx.remote[pending_name(checkpoint_id, save_id, rank)] = remote_entry(
+                    checkpoint_id, save_id, rank, PEER, now
+                )
 
         if ranks:
             update_index(engine, change)
