@@ -18,7 +18,8 @@ How a copy stays correct and out of training's way:
   commit, and every rank skips together. Only then does the coordinator say whether the save
   committed (it waits for its commit) and every rank go on or skip together.
 - **Bytes moved once, within a budget.** A sender hands the store's own memory to the group
-  (LMDB lends its map), a receiver lands each chunk in one buffer and writes it into its store;
+  (LMDB lends its map), a receiver lands each chunk in a buffer it reuses for every chunk of
+  the copy and writes it into its store;
   a rank holds at most ``budget_bytes`` of chunks in flight at once (or one part, where a part
   is larger than its share of the budget).
 - **Checked on arrival, committed last.** Each part is checked against the checksum its save
@@ -121,6 +122,9 @@ class PeerCopier:
         self.engine = engine
         self.peers = peers
         self.budget_bytes = budget_bytes
+        #: the most bytes of chunks this rank held in flight at once, over every copy: within
+        #: ``budget_bytes``, or one part per stream where a part is larger than its share
+        self.peak_buffered = 0
         self.timeout = timeout
         self.topology: Topology | None = None
         self._group: Any = None
@@ -378,10 +382,21 @@ class PeerCopier:
         steps = max([len(c) for _, c in out] + [len(c) for _, c in into] + [0])
         steps = self._max_steps(steps)
         received = 0
+        # One landing buffer per stream, each its largest chunk, taken once for every step: a
+        # new buffer per step would leave the allocator's freed ones resident besides.
+        widths = [max(_nbytes(chunk) for chunk in c) if c else 0 for _, c in into]
+        arena = torch.empty(sum(widths), dtype=torch.uint8)
+        starts = [sum(widths[:i]) for i in range(len(widths))]
         for step in range(steps):
             renew()
             sending = [(to, c[step]) for to, c in out if step < len(c)]
-            landing = [(src, c[step], _buffer(c[step])) for src, c in into if step < len(c)]
+            landing = [
+                (src, c[step], arena[start : start + _nbytes(c[step])])
+                for (src, c), start in zip(into, starts, strict=True)
+                if step < len(c)
+            ]
+            held = sum(buffer.numel() for _, _, buffer in landing)
+            self.peak_buffered = max(self.peak_buffered, held)
             with self._lent([p for _, parts in sending for p in parts], trouble) as views:
                 ops: list[Any] = []
                 at = 0
@@ -520,9 +535,9 @@ class PeerCopier:
             engine.transact([key], lambda _: {key: metadata})
 
 
-def _buffer(parts: list[_Part]) -> torch.Tensor:
-    """One chunk's landing buffer."""
-    return torch.empty(sum(p.nbytes for p in parts), dtype=torch.uint8)
+def _nbytes(parts: list[_Part]) -> int:
+    """One chunk's bytes."""
+    return sum(p.nbytes for p in parts)
 
 
 def _no_renewal(force: bool = False) -> None:

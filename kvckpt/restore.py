@@ -13,17 +13,15 @@ copies are done. A restart should read each byte from the nearest place that hol
 How it plugs into ``dcp.load`` (``torch/distributed/checkpoint/state_dict_loader.py``): each
 rank reports, in its local plan, its node id and which of the checkpoint's items its node's
 store holds whole. The coordinator sees every rank's read requests and every node's holdings
-at once (``prepare_global_plan``) and gives each rank its route: the items it reads locally,
-the items it reads from the shared tiers, the items it sends and to whom, and the items it
-receives and from whom. Replicated items (DDP, the replica dimension of HSDP) are read from
-storage once and sent to every rank that needs them, instead of once per replica; an item a
-node lacks crosses into it once, to one of its ranks, which passes it on to the others there
-(a second round of the exchange).
+at once (``prepare_global_plan``) and gives each rank its route (``kvckpt.routes``): the items
+it reads locally or from the shared tiers, and the items it sends, receives and passes on, in
+steps that keep the bytes each rank holds for the exchange within ``budget_bytes``.
 
 A damaged or missing local copy (a checksum mismatch, a missing key, a store wiped meanwhile)
 sends the items it holds to the next tier, logged; the route itself does not change, so the
-exchange needs no second round of planning. Every rank learns whether any rank failed before
-the exchange starts (one all-reduce), so a failure never leaves the others waiting.
+exchange needs no second round of planning. Every rank learns whether any rank failed its
+reads before the exchange starts and before each of its steps (one all-reduce each), so a
+failure never leaves the others waiting.
 """
 
 from __future__ import annotations
@@ -58,126 +56,15 @@ from .errors import (
 from .format import CheckpointRecord, decode_metadata, gc_paused
 from .holdings import held_items, item_order
 from .node import node_id
+from .peer_copy import DEFAULT_BUDGET
 from .reader import KVStorageReader, _ItemRead, fetch_parts
+from .routes import Holdings, Route, plan_routes
 from .stores import open_store
 
 logger = logging.getLogger(__name__)
 
 #: Where a rank's bytes came from, as ``TieredStorageReader.stats`` counts them.
 LOCAL, PEERS, SENT = "local", "peers", "sent"
-
-
-@dataclass(frozen=True)
-class _Holdings:
-    """A rank's local plan's ``storage_data``: its node, the save it found, and which of the
-    checkpoint's items (by position in the metadata) its node's store holds whole."""
-
-    node: str
-    save_id: str
-    held: bytes  # numpy.packbits over the items
-
-
-@dataclass(frozen=True)
-class Route:
-    """A rank's part of a restore, decided by the coordinator (its global plan's
-    ``storage_data``). Items are positions in the checkpoint's metadata."""
-
-    #: items this rank reads from its own node's store (for itself, or to send)
-    local: tuple[int, ...] = ()
-    #: items it reads from the shared tiers (for itself, or to send)
-    shared: tuple[int, ...] = ()
-    #: (item, rank) pairs: the items it sends, and where
-    send: tuple[tuple[int, int], ...] = ()
-    #: (item, rank) pairs: the items it receives, and from where
-    receive: tuple[tuple[int, int], ...] = ()
-    #: (item, rank) pairs: items it received for its node, and the ranks of its node it passes
-    #: them on to (a second round), so that an item crosses into a node once, not once per rank
-    relay: tuple[tuple[int, int], ...] = ()
-    #: (item, rank) pairs: the items it receives in the second round, and from which rank
-    relayed: tuple[tuple[int, int], ...] = ()
-    #: bytes it receives from ranks of other nodes (the network, on a real cluster)
-    from_other_nodes: int = 0
-
-
-def plan_routes(
-    nodes: Sequence[str],
-    held: dict[str, np.ndarray],
-    requests: Sequence[set[int]],
-    sizes: Sequence[int],
-) -> list[Route]:
-    """Route every requested item from its nearest source, reading each from storage once.
-
-    ``nodes[r]`` is rank r's node, ``held[node]`` a boolean array over the items (what that
-    node's store holds whole), ``requests[r]`` the items rank r reads, ``sizes`` each item's
-    bytes. Sends are spread over the ranks that can serve an item, fewest bytes first.
-    """
-    world = len(nodes)
-    local: list[set[int]] = [set() for _ in range(world)]
-    shared: list[set[int]] = [set() for _ in range(world)]
-    send: list[list[tuple[int, int]]] = [[] for _ in range(world)]
-    receive: list[list[tuple[int, int]]] = [[] for _ in range(world)]
-    relay: list[list[tuple[int, int]]] = [[] for _ in range(world)]
-    relayed: list[list[tuple[int, int]]] = [[] for _ in range(world)]
-    remote = [0] * world  # bytes each rank receives from other nodes
-    served = [0] * world  # bytes each rank sends
-    wanted: dict[int, list[int]] = defaultdict(list)
-    for rank, items in enumerate(requests):
-        for item in items:
-            wanted[item].append(rank)
-    no_items = np.zeros(len(sizes), dtype=bool)
-
-    def deliver(item: int, source: int, to: int) -> None:
-        send[source].append((item, to))
-        receive[to].append((item, source))
-        served[source] += sizes[item]
-        if nodes[to] != nodes[source]:
-            remote[to] += sizes[item]
-
-    for item in sorted(wanted):
-        ranks = wanted[item]
-        holders = {n for n in set(nodes) if held.get(n, no_items)[item]}
-        near = [r for r in ranks if nodes[r] in holders]
-        far = [r for r in ranks if nodes[r] not in holders]
-        for r in near:
-            local[r].add(item)
-        if not far:
-            continue
-        if holders:
-            # a rank that reads it locally anyway, else any rank of a node that holds it
-            candidates = near or [r for r in range(world) if nodes[r] in holders]
-            source = min(candidates, key=lambda r: (served[r], r))
-            local[source].add(item)
-        else:
-            source = min(far, key=lambda r: (served[r], r))
-            shared[source].add(item)
-            far.remove(source)
-        by_node: dict[str, list[int]] = defaultdict(list)
-        for r in far:
-            by_node[nodes[r]].append(r)
-        for node, there in by_node.items():
-            if node == nodes[source]:
-                for r in there:
-                    deliver(item, source, r)
-                continue
-            # one rank of the node receives it, and passes it on to the others there
-            landing = min(there, key=lambda r: (remote[r], r))
-            deliver(item, source, landing)
-            for r in there:
-                if r != landing:
-                    relay[landing].append((item, r))
-                    relayed[r].append((item, landing))
-    return [
-        Route(
-            tuple(sorted(local[r])),
-            tuple(sorted(shared[r])),
-            tuple(send[r]),
-            tuple(receive[r]),
-            tuple(relay[r]),
-            tuple(relayed[r]),
-            remote[r],
-        )
-        for r in range(world)
-    ]
 
 
 @dataclass
@@ -194,6 +81,9 @@ class RestoreStats:
             others there.
         sent: bytes this rank sent to other ranks.
         fallbacks: items that a tier could not serve whole and the next tier did.
+        peak_buffered: the most bytes this rank held at once for the exchange (what it read to
+            send, and what it received into buffers of its own): within the reader's
+            ``budget_bytes``, or one item where an item is larger.
         seconds: the time ``read_data`` took on this rank.
     """
 
@@ -204,6 +94,7 @@ class RestoreStats:
     sent: int = 0
     fallbacks: int = 0
     seconds: float = 0.0
+    peak_buffered: int = 0
 
 
 class TieredStorageReader(KVStorageBase, StorageReader):
@@ -227,6 +118,9 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         metadata: the save's encoded metadata, for a save that no tier lists but the nodes'
             stores hold between them (``Tiers(peers=K)``: ``Tiers.latest()`` finds it and
             passes it on). Used only where no tier holds the metadata itself.
+        budget_bytes: the bytes a rank holds at once for the exchange (what it read to send,
+            what it receives into buffers of its own); the exchange takes as many steps as
+            that needs (``kvckpt.routes``). ``Tiers`` passes its ``peer_budget_bytes``.
 
     After a load, ``stats`` says where this rank's bytes came from (``RestoreStats``).
     """
@@ -242,8 +136,11 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         verify: bool | None = None,
         lease: float | bool = 60.0,
         metadata: bytes | None = None,
+        budget_bytes: int = DEFAULT_BUDGET,
     ) -> None:
         super().__init__()
+        if budget_bytes < 1:
+            raise ValueError(f"budget_bytes must be at least 1, not {budget_bytes}")
         if not stores:
             raise ValueError("TieredStorageReader needs at least one store")
         self.engines: list[Engine | None] = []
@@ -261,6 +158,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         )
         self.lease: float = 60.0 if lease is True else float(lease)
         self.metadata = metadata
+        self.budget_bytes = budget_bytes
         self.load_id = new_save_id()
         self.stats = RestoreStats()
         self._record: CheckpointRecord | None = None
@@ -407,7 +305,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         assert record is not None
         held = self._held(record)
         return dataclasses.replace(
-            plan, storage_data=_Holdings(node_id(), record.save_id, np.packbits(held).tobytes())
+            plan, storage_data=Holdings(node_id(), record.save_id, np.packbits(held).tobytes())
         )
 
     def _items(self) -> list[MetadataIndex]:
@@ -428,7 +326,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         record = self._record
         assert record is not None
-        reports: list[_Holdings] = [p.storage_data for p in plans]
+        reports: list[Holdings] = [p.storage_data for p in plans]
         saves = sorted({r.save_id for r in reports})
         if len(saves) > 1:
             raise KVCheckpointError(
@@ -447,7 +345,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
             )
         requests = [{positions[req.storage_index] for req in p.items} for p in plans]
         sizes = [record.locations[index].nbytes for index in indexes]
-        routes = plan_routes([r.node for r in reports], held, requests, sizes)
+        routes = plan_routes([r.node for r in reports], held, requests, sizes, self.budget_bytes)
         return [
             dataclasses.replace(plan, storage_data=route)
             for plan, route in zip(plans, routes, strict=True)
@@ -491,30 +389,34 @@ class TieredStorageReader(KVStorageBase, StorageReader):
 
     def _read_all(self, record: CheckpointRecord, plan: LoadPlan, planner: LoadPlanner) -> None:
         route: Route = plan.storage_data
-        indexes = self._items()
         wanted: dict[int, list[ReadItem]] = defaultdict(list)
         for req in plan.items:
             wanted[self._positions[req.storage_index]].append(req)
         sending = {item for item, _ in route.send}
-        outgoing: dict[int, torch.Tensor] = {}
+        local_tiers = [] if self._local() is None else [0]
+        tiers_of: dict[int, list[int]] = {}
         error: BaseException | None = None
         try:
-            local_tiers = [] if self._local() is None else [0]
             for items, tiers in ((route.local, local_tiers), (route.shared, [])):
                 tiers = [*tiers, *self._shared()]
                 own = [i for i in items if i not in sending]
                 self._read_into_targets(record, own, wanted, planner, tiers)
-                for item in (i for i in items if i in sending):
-                    outgoing[item] = self._read_bytes(record, item, tiers)
-                    if item in wanted:
-                        self._item_read(record, indexes[item], wanted[item], planner).apply(
-                            byte_view(outgoing[item])
-                        )
+                tiers_of.update((i, tiers) for i in items if i in sending)
         except BaseException as e:  # every rank must hear of it before the exchange
             error = e
         self._all_ok(error)
         self._renew_leases()
-        self._exchange(record, route, indexes, wanted, outgoing, planner)
+        self.stats.from_other_nodes += route.from_other_nodes
+        step_of = dict(route.step_of)
+        # One buffer for every step's items, each step's in turn: the most a step holds. New
+        # buffers per step would leave the allocator's freed ones resident besides.
+        need: dict[int, int] = defaultdict(int)
+        pairs = [*dict(route.send).items(), *route.receive, *route.relayed]
+        for item, _ in pairs:
+            need[step_of[item]] += record.locations[self._items()[item]].nbytes
+        arena = torch.empty(max(need.values(), default=0), dtype=torch.uint8)
+        for step in range(route.steps):
+            self._exchange(record, route, step, step_of, wanted, tiers_of, planner, arena)
 
     def _item_read(
         self,
@@ -590,11 +492,13 @@ class TieredStorageReader(KVStorageBase, StorageReader):
                 failed.add(i)
         return failed
 
-    def _read_bytes(self, record: CheckpointRecord, item: int, tiers: list[int]) -> torch.Tensor:
-        """One item's whole value, from the first of ``tiers`` that holds it whole."""
+    def _read_bytes(
+        self, record: CheckpointRecord, item: int, tiers: list[int], out: torch.Tensor
+    ) -> torch.Tensor:
+        """One item's whole value into ``out``, from the first of ``tiers`` that holds it
+        whole."""
         index = self._items()[item]
         loc = record.locations[index]
-        out = torch.empty(loc.nbytes, dtype=torch.uint8)
         for n, tier in enumerate(tiers):
             reader = self._reader(tier)
 
@@ -657,19 +561,45 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         self,
         record: CheckpointRecord,
         route: Route,
-        indexes: list[MetadataIndex],
+        step: int,
+        step_of: dict[int, int],
         wanted: dict[int, list[ReadItem]],
-        outgoing: dict[int, torch.Tensor],
+        tiers_of: dict[int, list[int]],
         planner: LoadPlanner,
+        arena: torch.Tensor,
     ) -> None:
-        """Send and receive the routed items; each received item goes straight into its
-        target tensor where it can (a whole stored chunk into a contiguous CPU tensor)."""
-        if not (route.send or route.receive or route.relay or route.relayed):
-            return
-        landing: dict[int, tuple[_ItemRead, torch.Tensor | None, torch.Tensor | None]] = {}
-        self.stats.from_other_nodes += route.from_other_nodes
+        """One step of the exchange (``kvckpt.routes``): read the step's items this rank sends,
+        then send and receive them; each received item goes straight into its target tensor
+        where it can (a whole stored chunk into a contiguous CPU tensor). Every rank takes
+        every step, and learns first whether any rank failed its reads."""
+        indexes = self._items()
 
-        def receiving(pairs: tuple[tuple[int, int], ...]) -> list[Any]:
+        def now(pairs: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+            return [(item, peer) for item, peer in pairs if step_of[item] == step]
+
+        taken = 0
+
+        def take(nbytes: int) -> torch.Tensor:
+            nonlocal taken
+            taken += nbytes
+            return arena[taken - nbytes : taken]
+
+        outgoing: dict[int, torch.Tensor] = {}
+        error: BaseException | None = None
+        try:
+            for item in sorted({item for item, _ in now(route.send)}):
+                nbytes = record.locations[indexes[item]].nbytes
+                outgoing[item] = self._read_bytes(record, item, tiers_of[item], take(nbytes))
+                if item in wanted:
+                    self._item_read(record, indexes[item], wanted[item], planner).apply(
+                        byte_view(outgoing[item])
+                    )
+        except BaseException as e:
+            error = e
+        self._all_ok(error)
+        landing: dict[int, tuple[_ItemRead, torch.Tensor | None, torch.Tensor | None]] = {}
+
+        def receiving(pairs: list[tuple[int, int]]) -> list[Any]:
             ops = []
             for item, peer in pairs:
                 read = self._item_read(record, indexes[item], wanted[item], planner)
@@ -678,14 +608,14 @@ class TieredStorageReader(KVStorageBase, StorageReader):
                 if read.dest is not None:
                     into = byte_tensor(read.dest) if nbytes else None
                 else:
-                    into = buffer = torch.empty(nbytes, dtype=torch.uint8)
+                    into = buffer = take(nbytes)
                 if into is not None and nbytes:
                     ops.append(dist.P2POp(dist.irecv, into, peer, self._group, tag=item))
                 landing[item] = (read, buffer, into)
                 self.stats.peers += nbytes
             return ops
 
-        def sending(pairs: tuple[tuple[int, int], ...], source: dict[int, Any]) -> list[Any]:
+        def sending(pairs: list[tuple[int, int]], source: dict[int, Any]) -> list[Any]:
             ops = []
             for item, peer in pairs:
                 tensor = source[item]
@@ -695,15 +625,18 @@ class TieredStorageReader(KVStorageBase, StorageReader):
             return ops
 
         # Round 1: from each item's source; round 2: within a node, from the rank it landed on.
-        first = sending(route.send, outgoing) + receiving(route.receive)
+        first = sending(now(route.send), outgoing) + receiving(now(route.receive))
         self._run(first)
-        second = sending(route.relay, {i: into for i, (_, _, into) in landing.items()})
-        self._run(second + receiving(route.relayed))
+        second = sending(now(route.relay), {i: into for i, (_, _, into) in landing.items()})
+        second += receiving(now(route.relayed))
+        self.stats.peak_buffered = max(self.stats.peak_buffered, taken)
+        self._run(second)
         for read, buffer, _ in landing.values():
             if buffer is None and read.dest is not None:
                 read.commit()
             else:
                 read.apply(byte_view(buffer) if buffer is not None else memoryview(b""))
+        self._renew_leases()
 
     @staticmethod
     def _run(ops: list[Any]) -> None:

@@ -113,8 +113,8 @@ class Tiers:
             ``durable`` gets every ``durable_every``-th of those. With ``peers``, a save every
             step and ``shared_every=50`` keeps a node loss at one step and the shared tier's
             traffic at 1/50.
-        peer_budget_bytes: the bytes of chunks a rank holds in flight at once while copying
-            to and from its peers.
+        peer_budget_bytes: the bytes a rank holds in flight at once while copying to and from
+            its peers, and while exchanging items in a restore (``TieredStorageReader``).
         writer_options: passed to each ``KVStorageWriter`` (``checksums``, ``lease``, ...).
             Checksums default to on if any store records them by default.
     """
@@ -705,6 +705,7 @@ class Tiers:
         if choice.tier < len(self.engines):
             held = self._held
             chosen = (choice.checkpoint_id, choice.created_at)
+            options.setdefault("budget_bytes", self.peer_copies.budget_bytes)
             return TieredStorageReader(
                 self.engines,
                 checkpoint_id=choice.checkpoint_id,

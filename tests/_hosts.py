@@ -21,9 +21,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from kvckpt import Tiers
+from kvckpt.peer_copy import DEFAULT_BUDGET
 from kvckpt.restore import TieredStorageReader
 
 from ._dist import _finish, _init
+
+#: the exchange's budget of the ``budget`` cases: less than one item of a 4 MiB state
+BUDGET = 64 << 10
 
 
 def full_state(mib: float) -> dict[str, Any]:
@@ -97,8 +101,9 @@ def restore_worker(
     mib: float,
     out: str,
 ) -> None:
-    """Restore each case (name, root of its hosts' stores, how: ``reader`` alone, ``tiers``,
-    or ``prefetch`` then ``tiers``) in turn; write each rank's counters, and what Redis served
+    """Restore each case (name, root of its hosts' stores, how: ``reader`` alone, ``budget``
+    (a reader whose exchange holds at most ``BUDGET`` bytes at once), ``tiers``, or ``prefetch``
+    then ``tiers``) in turn; write each rank's counters, and what Redis served
     meanwhile, per case."""
     _as_host(rank, ranks_per_host)
     _init(rank, world, port)
@@ -110,7 +115,7 @@ def restore_worker(
         dist.barrier()
         before = int(client.info("stats")["total_net_output_bytes"])
         dist.barrier()
-        if how != "reader":
+        if how not in ("reader", "budget"):
             tiers = Tiers(stores)
             if how == "prefetch":
                 tiers.prefetch(
@@ -124,7 +129,8 @@ def restore_worker(
             assert stats is not None
             tiers.close()
         else:
-            reader = TieredStorageReader(stores, checkpoint_id="step-1")
+            budget = BUDGET if how == "budget" else DEFAULT_BUDGET
+            reader = TieredStorageReader(stores, checkpoint_id="step-1", budget_bytes=budget)
             dcp.load(state, storage_reader=reader)
             stats = reader.stats
         dist.barrier()
@@ -140,6 +146,7 @@ def restore_worker(
                     "from_other_nodes": stats.from_other_nodes,
                     "sent": stats.sent,
                     "fallbacks": stats.fallbacks,
+                    "peak_buffered": stats.peak_buffered,
                     "served": served,
                 }
             )

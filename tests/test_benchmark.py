@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,7 +25,7 @@ def run_benchmark(script: str, *args: str, timeout: int = 300) -> subprocess.Com
     )
 
 
-def test_benchmark_smoke_run(tmp_path) -> None:
+def test_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
     out = tmp_path / "results"
     result = run_benchmark(
         "run.py",
@@ -50,14 +52,116 @@ def test_benchmark_smoke_run(tmp_path) -> None:
         "async_block_dcp_fs_shm_cached",
         "store_mode_default_later",
         "store_mode_nt_raw_put",
+        "store_mode_default_memcpy",
+        "store_mode_nt_memcpy",
     ):
         assert data[case]["gbps"] > 0, case
-    assert {r["metric"] for r in data["ratios"]} >= {
-        "LMDB load / DCP FileSystemReader shm",
-        "peak anon RSS kv_safetensors_export / state dict",
-    }
-    assert (out / "results.md").read_text().startswith("| metric |")
+    metrics = {r["metric"] for r in data["ratios"]}
+    assert metrics >= set(targets(monkeypatch).TARGETS)  # every target row measured
+    assert {r["better"] for r in data["ratios"]} == {"higher", "lower"}
+    assert data["cpu"]
+    report = (out / "results.md").read_text()
+    assert report.startswith(f"- CPU: {data['cpu']}")
+    assert "- memcpy, one thread" in report and " GB/s with glibc's default" in report
+    assert "| metric | better | measured | target | pass | note |" in report
     assert (out / "results.png").stat().st_size > 1000
+
+
+def targets(monkeypatch: pytest.MonkeyPatch):
+    """benchmarks/targets.py, imported as run.py imports it."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import targets
+
+    return targets
+
+
+def fabricated_results() -> dict:
+    """A run's results with every case at 1 GB/s and 1 s (every ratio 1, every checksum cost
+    0, no memory above the state dict); nothing measured."""
+    case = {"median_s": 1.0, "gbps": 1.0, "runs_s": [1.0, 1.0, 1.0]}
+    results = collections.defaultdict(lambda: dict(case))
+    results.update(
+        state_dict_bytes=1 << 30,
+        part_bytes_redis=4 << 20,
+        largest_tensor_bytes=128 << 20,
+        rss_delta_bytes={
+            k: 0
+            for k in (
+                "kv_lmdb_save",
+                "kv_redis_save",
+                "kv_lmdb_load",
+                "kv_redis_load",
+                "kv_safetensors_export",
+            )
+        },
+    )
+    return results
+
+
+def test_check_names_every_target_not_met(monkeypatch) -> None:
+    """run.py --check's logic, on fabricated results: each row short of its target is named
+    with what it measured and the target, and only those; a target row not measured too."""
+    t = targets(monkeypatch)
+    results = fabricated_results()
+    rows = t.rows(results)
+    assert set(t.TARGETS) <= {row.metric for row in rows}  # no target names a missing row
+    steady = "LMDB save steady / DCP FS shm t=2, taking turns (speed-up)"
+    first = "LMDB save first, new store / DCP FS shm t=2, taking turns (speed-up)"
+    load = "LMDB load / DCP FileSystemReader shm (speed-up)"
+    # every ratio 1: the speed-ups held to more than 1 fall short, the rest pass
+    assert [line.split(":")[0] for line in t.failures(rows)] == [load, steady, first]
+    results["kv_lmdb_load"] = {"median_s": 0.1, "gbps": 10.0, "runs_s": [1.0] * 3}  # 10x: met
+    results["kv_lmdb_save_steady"] = {"median_s": 0.5, "gbps": 2.9, "runs_s": [0.5] * 3}  # 2.9x
+    results["kv_redis_load"] = {"median_s": 1.2, "gbps": 0.8, "runs_s": [1.1, 1.2, 1.3]}
+    results["async_block_kv_redis"] = {"median_s": 1.01, "gbps": 1.0, "runs_s": [1.01] * 3}
+    results["rss_delta_bytes"]["kv_redis_load"] = 5 << 20  # over one 4 MiB part
+    missed = t.failures(t.rows(results))
+    assert missed == [
+        "checksum cost, Redis load (extra time, fraction): measured 0.200, target <= 0.1",
+        "async_save blocking: Redis / DCP default stager (time ratio): measured 1.010, target <= 1",
+        f"{steady}: measured 2.900, target >= 3",
+        f"{first}: measured 1.000, target >= 1.3",
+        "peak anon RSS, Redis load / 1 part: measured 1.250, target <= 1",
+    ]
+    rows = [row for row in t.rows(results) if not row.metric.startswith("peak anon RSS")]
+    assert "peak anon RSS, LMDB save / (10% of the state dict + 1 part): not measured" in "\n".join(
+        t.failures(rows)
+    )
+
+
+def test_check_exits_1_naming_the_rows(tmp_path) -> None:
+    """python benchmarks/run.py --from-json RESULTS --check: no benchmark runs; exit 1 and
+    each target row not met on stdout, the report written with a target and a pass column."""
+    published = json.loads((Path(ROOT) / "docs/benchmark/intel-xeon/results.json").read_text())
+    published["kv_redis_save"]["gbps"] = 0.5 * published["raw_redis_set"]["gbps"]
+    (tmp_path / "in.json").write_text(json.dumps(published))
+    out = tmp_path / "out"
+    result = run_benchmark(
+        "run.py",
+        "--from-json",
+        str(tmp_path / "in.json"),
+        "--check",
+        "--no-chart",
+        "--out",
+        str(out),
+    )
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
+    missed = [line for line in result.stdout.splitlines() if line.startswith("target not met: ")]
+    assert (
+        "target not met: Redis save / raw-socket SET (speed-up): measured 0.500, target >= 0.8"
+        in missed
+    )
+    assert not any("LMDB load" in line for line in missed)  # 5.53x: met
+    report = (out / "results.md").read_text()
+    assert "| Redis save / raw-socket SET (speed-up) | higher | 0.500 | >= 0.8 | no |" in report
+    assert (
+        "| LMDB load / DCP FileSystemReader shm (speed-up) | higher | 5.53 | >= 5 | yes |" in report
+    )
+    assert report.startswith("- CPU: Intel Xeon")
+    ok = run_benchmark(
+        "run.py", "--from-json", str(out / "results.json"), "--no-chart", "--out", str(out)
+    )
+    assert ok.returncode == 0  # without --check, a report only
 
 
 def test_job_benchmark_smoke_run(tmp_path) -> None:
@@ -276,3 +380,19 @@ def test_restore_scale_smoke_run(tmp_path) -> None:
     assert two["tiered"]["restored"] == ["ddp-3hosts-peers1-older"] and two["tiered"]["exact"]
     newest = two["saves"]["ddp-3hosts-peers1"]
     assert newest["into_shared"] < 4096 and newest["to_peers"] == state
+
+
+def test_peer_memory_smoke_run(tmp_path) -> None:
+    """benchmarks/peer_memory.py at its smallest: 2 hosts, a budget smaller than a host's share;
+    the copy and the restore's exchange hold at most the budget and one item, bit-exact."""
+    out = tmp_path / "results"
+    result = run_benchmark(
+        "peer_memory.py",
+        *("--hosts", "2", "--mib", "4", "--kinds", "fsdp", "--budgets-mib", "0.25"),
+        *("--root", str(tmp_path), "--out", str(out)),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    case = json.loads((out / "peer_memory.json").read_text())["cases"]["fsdp/262144"]
+    assert case["exact"]
+    for phase in ("copy", "restore"):
+        assert 0 < case[phase]["exact"] <= case["target"], phase

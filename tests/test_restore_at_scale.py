@@ -79,6 +79,7 @@ def test_restarts_of_four_hosts_read_each_byte_from_the_nearest_place(
         ("plain-reader", _variant(saved, tmp_path / "plain", []), "reader"),
         ("plain-tiers", str(tmp_path / "plain"), "tiers"),
         ("plain-prefetch", str(tmp_path / "plain"), "prefetch"),
+        ("plain-budget", str(tmp_path / "plain"), "budget"),
         ("one-replaced", _variant(saved, tmp_path / "one", [2]), "tiers"),
         ("one-prefetch", _variant(saved, tmp_path / "one-p", [2]), "prefetch"),
         ("all-lost", _variant(saved, tmp_path / "all", [0, 1, 2, 3]), "tiers"),
@@ -87,10 +88,14 @@ def test_restarts_of_four_hosts_read_each_byte_from_the_nearest_place(
     got = _restore(tmp_path, redis_url, 4, 1, cases)
     state = _state_bytes()
     stored = list_checkpoints(redis_url)[0].total_bytes  # tensors and objects
-    for name in ("plain-reader", "plain-tiers", "plain-prefetch"):
+    for name in ("plain-reader", "plain-tiers", "plain-prefetch", "plain-budget"):
         assert _shared(got[name]) == 0, name  # metadata aside
         assert got[name][0]["served"] < _OVERHEAD, name
         assert all(s["local"] > 0 and s["peers"] > 0 for s in got[name]), name
+    # the exchange holds all it sends and receives at once, or one item at a time in steps
+    largest = max(t.nbytes for t in _hosts.full_state(MIB).values() if hasattr(t, "nbytes"))
+    assert max(s["peak_buffered"] for s in got["plain-reader"]) > largest
+    assert 0 < max(s["peak_buffered"] for s in got["plain-budget"]) <= largest
     one = _shared(got["one-replaced"])
     assert 0 < one <= state / 4 * 1.05  # the replaced host's share
     assert got["one-replaced"][0]["served"] < one + _OVERHEAD
@@ -111,8 +116,13 @@ def test_a_new_world_size_reads_the_surviving_stores(
     every item: nothing from Redis), and by 1 rank on host 0 (host 1's share from Redis)."""
     saved = tmp_path / "saved"
     _save(saved, redis_url, world=2, per_host=1)
-    doubled = _restore(tmp_path, redis_url, 4, 2, [("doubled", str(saved), "tiers")])["doubled"]
+    cases = [("doubled", str(saved), "tiers"), ("doubled-budget", str(saved), "budget")]
+    got = _restore(tmp_path, redis_url, 4, 2, cases)
+    doubled = got["doubled"]
     assert _shared(doubled) == 0
+    assert _shared(got["doubled-budget"]) == 0  # relayed within a node, a step at a time
+    largest = max(t.nbytes for t in _hosts.full_state(MIB).values() if hasattr(t, "nbytes"))
+    assert 0 < max(s["peak_buffered"] for s in got["doubled-budget"]) <= largest
     assert doubled[0]["served"] < _OVERHEAD
     # an item a host lacks crosses into it once, then passes between its two ranks
     for host in (0, 1):
