@@ -44,11 +44,14 @@ class Restore:
 
 
 def choose_newest(
-    engines: Sequence[Engine], durable: Path | None, single_host: bool
+    engines: Sequence[Engine],
+    durable: Path | None,
+    single_host: bool,
+    before: float | None = None,
 ) -> Restore | None:
-    """The newest complete checkpoint in ``engines`` (fastest first) and ``durable``, and the
-    fastest tier that holds it. Off a single host, node-local stores are not searched: each
-    holds only its own node's part of a save."""
+    """The newest complete checkpoint in ``engines`` (fastest first) and ``durable`` (saved
+    before ``before``, where given), and the fastest tier that holds it. Off a single host,
+    node-local stores are not searched: each holds only its own node's part of a save."""
     found: list[Restore] = []
     for i, engine in enumerate(engines):
         if not (engine.shared or single_host):
@@ -68,6 +71,8 @@ def choose_newest(
             if path.name.startswith(".") or not (path / ".metadata").is_file():
                 continue
             found.append(Restore(path.name, len(engines), str(path), _durable_time(path)))
+    if before is not None:
+        found = [r for r in found if r.created_at < before]
     if not found:
         return None
     newest = max(found, key=lambda r: r.created_at)

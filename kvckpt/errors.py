@@ -89,6 +89,12 @@ class SaveAbandonedError(KVCheckpointError):
     publish missing data."""
 
 
+class DamagedCopyError(KVCheckpointError):
+    """A restore found that a node's store could not serve items it holds (a damaged or
+    vanished copy). The reader no longer counts them as held there: loading again reads them
+    from their next holder."""
+
+
 class ReplicationError(KVCheckpointError):
     """A checkpoint committed in the fast tier could not be copied to a slower one."""
 

@@ -99,10 +99,12 @@ def _metadata_here(engine: Engine | None) -> dict[tuple[float, str, str], bytes]
     return found
 
 
-def newest_held_whole(engine: Engine | None, newer_than: float | None) -> HeldSave | None:
+def newest_held_whole(
+    engine: Engine | None, newer_than: float | None, before: float | None = None
+) -> HeldSave | None:
     """Collective over the default group, every rank with its node's store (None where the
-    node has none): the newest save newer than ``newer_than`` whose every item some node's
-    store holds whole, or None."""
+    node has none): the newest save newer than ``newer_than`` (and saved before ``before``)
+    whose every item some node's store holds whole, or None."""
     here = _metadata_here(engine)
     listed: list[list[tuple[float, str, str]] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(listed, sorted(here))
@@ -114,6 +116,8 @@ def newest_held_whole(engine: Engine | None, newer_than: float | None) -> HeldSa
         created_at, checkpoint_id, save_id = save
         if newer_than is not None and created_at <= newer_than:
             break
+        if before is not None and created_at >= before:
+            continue
         raw = [here.get(save)]
         dist.broadcast_object_list(raw, src=owners[save])
         record = decode_metadata(raw[0], where=f"the metadata of {checkpoint_id!r}")  # type: ignore[arg-type]

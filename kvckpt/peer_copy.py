@@ -334,7 +334,16 @@ class PeerCopier:
             for src in topology.receives(me, self.peers)
         ]
         trouble: list[str] = []
-        received = self._move(sends, receives, trouble, renew)
+        try:
+            received = self._move(sends, receives, trouble, renew)
+        except BaseException as e:  # the group failed mid-copy: what arrived is not a copy
+            with contextlib.suppress(Exception):
+                self.engine.delete([p.key for _, parts in receives for p in parts])
+            if isinstance(e, ReplicationError):
+                raise ReplicationError(
+                    f"the peer copy of checkpoint {checkpoint_id!r} is kept nowhere: {e}"
+                ) from e
+            raise
         # 3. A copy counts only where every rank's part of it arrived whole.
         failures: list[list[str] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(failures, trouble, group=group)

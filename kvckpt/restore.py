@@ -50,6 +50,7 @@ from .catalog import read_lease
 from .engines.base import Engine
 from .errors import (
     CheckpointNotFoundError,
+    DamagedCopyError,
     KVCheckpointError,
     StoreNotFoundError,
 )
@@ -168,6 +169,16 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         self._group: dist.ProcessGroup | None = None
         self._indexes: list[MetadataIndex] | None = None
         self._positions: dict[MetadataIndex, int] = {}  # each item's place in ``_items()``
+        #: items this node's store failed to serve in this load (damaged, missing)
+        self._damaged: set[int] = set()
+        #: (save id, node) -> items that node's store failed to serve in an earlier load of
+        #: the save: they do not count as held there (the next load reads them elsewhere)
+        self._distrusted: dict[tuple[str, str], set[int]] = {}
+
+    @property
+    def distrusted(self) -> bool:
+        """Whether a load found damaged copies in the nodes' stores (``DamagedCopyError``)."""
+        return any(self._distrusted.values())
 
     @property
     def engine(self) -> Engine:  # type: ignore[override]  # KVStorageBase's, for messages
@@ -319,9 +330,12 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         return self._indexes
 
     def _held(self, record: CheckpointRecord) -> np.ndarray:
-        """Which items this node's store holds whole (every part, of the right size)."""
+        """Which items this node's store holds whole (every part, of the right size), less
+        those it failed to serve in an earlier load of the same save."""
         tier = self._local()
-        return held_items(None if tier is None else self.engines[tier], record, self._items())
+        held = held_items(None if tier is None else self.engines[tier], record, self._items())
+        held[sorted(self._distrusted.get((record.save_id, node_id()), ()))] = False
+        return held
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         record = self._record
@@ -356,6 +370,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         if record is None:
             raise KVCheckpointError("read_data called before read_metadata")
         started = time.perf_counter()
+        self._damaged = set()
         try:
             with gc_paused():
                 self._read_all(record, plan, planner)
@@ -453,9 +468,13 @@ class TieredStorageReader(KVStorageBase, StorageReader):
                 self._count(tier, record, todo)
                 return
             except KVCheckpointError as e:
-                if n == len(tiers) - 1:
+                if n == len(tiers) - 1 and tier != self._local():
                     raise
                 failed = self._failing(reader, record, todo, wanted, planner, indexes)
+                if tier == self._local():
+                    self._damaged.update(failed)
+                if n == len(tiers) - 1:
+                    raise
                 self._fell_back(tier, tiers[n + 1], len(failed), e)
                 self._count(tier, record, [i for i in todo if i not in failed])
                 todo = sorted(failed)
@@ -509,6 +528,8 @@ class TieredStorageReader(KVStorageBase, StorageReader):
             try:
                 fetch_parts(reader.engine, record, [(index, loc)], part, verify=reader.verify)
             except KVCheckpointError as e:
+                if tier == self._local():
+                    self._damaged.add(item)
                 if n == len(tiers) - 1:
                     raise
                 self._fell_back(tier, tiers[n + 1], 1, e)
@@ -542,19 +563,47 @@ class TieredStorageReader(KVStorageBase, StorageReader):
 
     def _all_ok(self, error: BaseException | None) -> None:
         """Every rank learns whether any rank failed its reads; all fail together, the failed
-        one with its own error."""
+        one with its own error. Where a node's store failed to serve items it was counted on
+        for (a damaged copy), every rank raises ``DamagedCopyError`` instead, having learnt
+        which: the next load of the same save reads them from their next holder."""
         if self._group is not None:
             flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
             dist.all_reduce(flag, group=self._group)
             failed = int(flag.item())
         else:
             failed = 0 if error is None else 1
+        if failed:
+            self._distrust()
         if error is not None:
             raise error
         if failed:
             raise KVCheckpointError(
                 f"restoring {self.checkpoint_id!r}: {failed} other rank(s) could not read "
                 "their share (their logs say why); nothing was exchanged"
+            )
+
+    def _distrust(self) -> None:
+        """After a failed step (every rank, together): gather the items each node's store
+        failed to serve; any not yet distrusted are, from now on, and every rank raises."""
+        record = self._record
+        assert record is not None
+        mine = (node_id(), sorted(self._damaged))
+        reports: list[Any] = [mine]
+        if self._group is not None:
+            reports = [None] * dist.get_world_size(self._group)
+            dist.all_gather_object(reports, mine, group=self._group)
+        new = 0
+        for node, items in reports:
+            known = self._distrusted.setdefault((record.save_id, node), set())
+            new += len(set(items) - known)
+            known.update(items)
+        if new:
+            nodes = sorted({node for node, items in reports if items})
+            raise DamagedCopyError(
+                f"checkpoint {record.checkpoint_id!r}: the stores of node(s) "
+                f"{', '.join(nodes)} could not serve {new} item(s) they hold (damaged or "
+                "gone; their logs say which). Load again: the next load reads them from "
+                "another holder (Tiers.restore does so itself)."
             )
 
     def _exchange(

@@ -31,7 +31,6 @@ restore reads local memory.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -46,6 +45,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import StorageReader
 
@@ -54,19 +54,15 @@ from .catalog import (
     LeaseRenewal,
     mark_pending,
     publish,
-    read_lease,
-    record_share,
     release_read_lease,
     take_read_lease,
-    unregister,
 )
-from .choice import DURABLE_INFO, Restore, choose_newest, lists_save
+from .choice import DURABLE_INFO, Restore, choose_newest
 from .copying import copy_values
 from .dcp_files import DirectoryReader, export_checkpoint
 from .engines.base import Engine
-from .errors import KVCheckpointError, ReplicationError, UnsafeStoreError
+from .errors import DamagedCopyError, KVCheckpointError, ReplicationError, UnsafeStoreError
 from .format import (
-    CheckpointRecord,
     ItemLocation,
     part_ranges,
 )
@@ -75,12 +71,16 @@ from .manage import NEVER, discard_save
 from .manage import gc as collect_garbage  # not the standard library's gc
 from .node import node_id, run_in_background, spare_cores
 from .peer_copy import DEFAULT_BUDGET, PeerCopier
-from .reader import KVStorageReader
+from .prefetch import bring_share
 from .restore import RestoreStats, TieredStorageReader
 from .stores import open_store
 from .tiered_writer import TieredStorageWriter
 
 logger = logging.getLogger(__name__)
+
+#: loads of one restore at most: each after the first reads elsewhere what a damaged copy
+#: could not serve in the one before
+_LOADS = 4
 
 
 class Tiers:
@@ -611,55 +611,7 @@ class Tiers:
             return self._prefetch
 
     def _bring_share(self, share: range | None) -> Restore | None:
-        choice = choose_newest(
-            self.engines, self.durable, single_host=False
-        )  # the newest checkpoint of a shared tier
-        if choice is None or choice.tier == len(self.engines):
-            return None
-        src, dst = self.engines[choice.tier], self.engines[0]
-        checkpoint_id = choice.checkpoint_id
-        with read_lease(src, checkpoint_id, self.replicate_timeout) as renew:
-            record = KVStorageReader(src, checkpoint_id=checkpoint_id).read_record()
-            if record.created_at != choice.created_at:
-                return None  # saved again meanwhile: the restore chooses afresh
-            save_id = record.save_id
-            whole = share is None or set(range(record.world_size)) <= set(share)
-            mine = [loc for loc in record.locations.values() if share is None or loc.rank in share]
-            missing = _not_held(dst, record, mine)
-            if not missing and (not whole or lists_save(dst, choice)):
-                return None
-            dst.refuse_unsafe()
-            mark_pending(dst, checkpoint_id, save_id, None, self.replicate_timeout)
-            phase = events.Phase("prefetch", "copy", checkpoint_id, src.url, tier=choice.tier)
-            try:
-                copy_values(src, [dst], checkpoint_id, save_id, missing, renew)
-                phase.end(sum(loc.nbytes for loc in missing))
-                if whole:
-                    publish(
-                        dst,
-                        record.metadata,
-                        record.locations,
-                        checkpoint_id=checkpoint_id,
-                        save_id=save_id,
-                        world_size=record.world_size,
-                        created_at=record.created_at,
-                    )
-                else:
-                    # Recorded as another node's part of the save: kept by gc, dropped by the
-                    # coordinator's retention one save later (``tidy_remote_store``).
-                    record_share(dst, checkpoint_id, save_id, sorted({loc.rank for loc in mine}))
-            except BaseException:
-                _discard_prefetched(dst, record, missing)
-                raise
-        logger.info(
-            "kvckpt tiers: prefetched %d of %d values of %r from %s into %s",
-            len(missing),
-            len(mine),
-            checkpoint_id,
-            src.url,
-            dst.url,
-        )
-        return dataclasses.replace(choice, tier=0, source=dst.url)
+        return bring_share(self.engines, self.durable, share, self.replicate_timeout)
 
     def _await_prefetch(self) -> None:
         if self._prefetch is None:
@@ -669,8 +621,9 @@ class Tiers:
         except Exception as e:
             logger.warning("kvckpt tiers: prefetch failed, restoring from the shared tier: %s", e)
 
-    def latest(self) -> Restore | None:
-        """The newest complete checkpoint in any tier, and the fastest tier holding its metadata.
+    def latest(self, *, before: float | None = None) -> Restore | None:
+        """The newest complete checkpoint in any tier, and the fastest tier holding its metadata
+        (of those saved before ``before``, a ``created_at``, where given).
 
         Collective when ``torch.distributed`` is initialised: rank 0 chooses and every rank
         gets the same answer. In a job of several nodes (``kvckpt.node``), a node-local store
@@ -681,19 +634,23 @@ class Tiers:
         self._await_prefetch()
         self._held = None
         if not (dist.is_available() and dist.is_initialized()):
-            return choose_newest(self.engines, self.durable, single_host=True)
+            return choose_newest(self.engines, self.durable, True, before)
         nodes: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(nodes, node_id())
         single_host = len(set(nodes)) == 1
         choice = [
-            choose_newest(self.engines, self.durable, single_host) if dist.get_rank() == 0 else None
+            choose_newest(self.engines, self.durable, single_host, before)
+            if dist.get_rank() == 0
+            else None
         ]
         dist.broadcast_object_list(choice, src=0)
         newest: Restore | None = choice[0]
         node_local = not self.engines[0].shared
         if node_local and (self.peer_copies.peers or self.shared_every > 1) and not single_host:
             # the nodes' stores between them may hold a newer save than any shared tier
-            held = newest_held_whole(self.engines[0], None if newest is None else newest.created_at)
+            held = newest_held_whole(
+                self.engines[0], None if newest is None else newest.created_at, before
+            )
             if held is not None:
                 self._held = held
                 newest = Restore(held.checkpoint_id, 0, self.engines[0].url, held.created_at)
@@ -726,48 +683,53 @@ class Tiers:
         ``last_restore_stats`` then says where this rank's bytes came from."""
         phase = events.Phase("restore", "choose", "", "")
         choice = self.latest()
-        if choice is None:
-            return None
-        phase.checkpoint_id, phase.store, phase.tier = (
-            choice.checkpoint_id,
-            choice.source,
-            choice.tier,
-        )
-        phase.end()
-        reader = self.reader(choice)
-        dcp.load(state_dict, storage_reader=reader, **load_options)
-        if isinstance(reader, TieredStorageReader):
-            self.last_restore_stats = reader.stats
-        return choice
+        while choice is not None:
+            phase.checkpoint_id, phase.store, phase.tier = (
+                choice.checkpoint_id,
+                choice.source,
+                choice.tier,
+            )
+            phase.end()
+            reader = self.reader(choice)
+            try:
+                self._load(state_dict, reader, load_options)
+            except CheckpointException:
+                if not (isinstance(reader, TieredStorageReader) and reader.distrusted):
+                    raise
+                # Damaged copies left items of this save with no holder: every rank knows
+                # (the reader gathered them), so every rank goes back to an older save.
+                older = self.latest(before=choice.created_at)
+                logger.warning(
+                    "kvckpt restore: no store holds %r whole once its damaged copies are set "
+                    "aside; restoring %s instead",
+                    choice.checkpoint_id,
+                    "nothing" if older is None else repr(older.checkpoint_id),
+                )
+                if older is None:
+                    raise
+                choice, phase = older, events.Phase("restore", "choose", "", "")
+                continue
+            if isinstance(reader, TieredStorageReader):
+                self.last_restore_stats = reader.stats
+            return choice
+        return None
 
-
-def _not_held(
-    engine: Engine, record: CheckpointRecord, locs: list[ItemLocation]
-) -> list[ItemLocation]:
-    """The items of ``locs`` that ``engine`` does not hold whole (every part, its size)."""
-    keys = [loc.keys(engine.prefix, record.checkpoint_id, record.save_id) for loc in locs]
-    sizes = engine.value_sizes([k for item in keys for k in item])
-    missing, at = [], 0
-    for loc, item in zip(locs, keys, strict=True):
-        want = [b - a for a, b in part_ranges(loc.nbytes, loc.part_bytes)]
-        if sizes[at : at + len(item)] != want:
-            missing.append(loc)
-        at += len(item)
-    return missing
-
-
-def _discard_prefetched(engine: Engine, record: CheckpointRecord, locs: list[ItemLocation]) -> None:
-    """After a failed prefetch: delete the values it wrote (never the values the store held
-    before) and its pending entry. Best effort: what stays is gc's."""
-    try:
-        engine.delete(
-            key
-            for loc in locs
-            for key in loc.keys(engine.prefix, record.checkpoint_id, record.save_id)
-        )
-        unregister(engine, record.checkpoint_id, record.save_id)
-    except KVCheckpointError as e:
-        logger.warning("could not remove a failed prefetch from %s: %s (run gc)", engine.url, e)
+    @staticmethod
+    def _load(
+        state_dict: dict[str, Any], reader: StorageReader, load_options: dict[str, Any]
+    ) -> None:
+        """``dcp.load``, again where a damaged copy failed it (every rank raised it, so every
+        rank loads again): the next load reads what the copy could not serve elsewhere."""
+        for attempt in range(1, _LOADS + 1):
+            try:
+                dcp.load(state_dict, storage_reader=reader, **load_options)
+                return
+            except CheckpointException as e:
+                damaged = [f for f, _ in e.failures.values() if isinstance(f, DamagedCopyError)]
+                if attempt == _LOADS or len(damaged) != len(e.failures):
+                    raise
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    logger.warning("kvckpt restore: %s", damaged[0])
 
 
 def _no_renewal(force: bool = False) -> None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -226,3 +229,39 @@ def async_and_failed_saves_worker(
     tiers.close()
     Path(out, f"saves.rank{rank}.json").write_text(json.dumps({"failed": failed}))
     _finish()
+
+
+def killed_mid_copy_worker(
+    rank: int, world: int, port: int, root: str, redis_url: str, victim: int, out: str
+) -> None:
+    """Save step-1 (to every store), then step-2, during whose peer copy ``victim`` is
+    SIGKILLed as its first chunk lands. The others write what ``Tiers.wait()`` reported, and
+    leave without a barrier (the job is broken: a real one would be restarted)."""
+    _as_host(rank, 1)
+    _init(rank, world, port)
+    tiers = Tiers(
+        _stores(root, rank, 1, redis_url),
+        peers=1,
+        shared_every=1000,
+        peer_budget_bytes=64 << 10,  # many chunks: the kill lands mid-copy
+        replicate_timeout=30,
+    )
+    dcp.save(step_state(world, 1), storage_writer=tiers.writer(), checkpoint_id="step-1")
+    tiers.wait()
+    if rank == victim:
+        copier = tiers.peer_copies
+
+        def dying(*args: Any) -> int:
+            os.kill(os.getpid(), signal.SIGKILL)
+            raise AssertionError("unreachable")
+
+        copier._store = dying  # type: ignore[method-assign]
+    dcp.save(step_state(world, 2), storage_writer=tiers.writer(), checkpoint_id="step-2")
+    try:
+        tiers.wait()
+        reported = ""
+    except ReplicationError as e:
+        reported = str(e)
+    Path(out, f"killed.rank{rank}.json").write_text(json.dumps({"reported": reported}))
+    sys.stdout.flush()
+    os._exit(0)

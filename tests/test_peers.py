@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch.multiprocessing as mp
 
 from kvckpt import open_store
 from kvckpt.catalog import PEER, read_index
 from kvckpt.format import data_prefix
 from kvckpt.placement import Topology, covered
-from kvckpt.testing import RedisServer
+from kvckpt.testing import RedisServer, free_port
 from tests import _peers
 from tests._cli import run
 from tests._spawn import spawn
@@ -197,3 +199,100 @@ def test_several_ranks_per_node_async_saves_and_a_failed_save_keep_the_copies_in
     for name, _ in cases:
         ranks = _results(out, name, world)
         assert all(r["exact"] and r["checkpoint_id"] == "step-3" for r in ranks), (name, ranks)
+
+
+def test_a_peer_killed_mid_copy_fails_the_copy_not_the_save_and_nothing_half_copied_restores(
+    tmp_path: Path, server: Callable[..., RedisServer]
+) -> None:
+    world, victim = 3, 2
+    srv = server()
+    root, out = tmp_path / "hosts", tmp_path / "out"
+    root.mkdir()
+    out.mkdir()
+    context = mp.start_processes(
+        _peers.killed_mid_copy_worker,
+        args=(world, free_port(), str(root), srv.url(), victim, str(out)),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    for process in context.processes:
+        process.join(timeout=120)
+    codes = [p.exitcode for p in context.processes]
+    for p in context.processes:
+        if p.exitcode is None:
+            p.kill()
+    assert codes == [0, 0, -signal.SIGKILL], codes
+    for rank in range(world):
+        if rank != victim:
+            reported = json.loads((out / f"killed.rank{rank}.json").read_text())["reported"]
+            assert "step-2" in reported and "a peer gone" in reported, (rank, reported)
+    # No host keeps any copy of step-2 (the copy failed for the whole job), so losing the
+    # killed host restores step-1, whole; a plain restart still restores step-2 from the
+    # hosts' own stores, where the save had committed before its copy began.
+    for host in range(world):
+        engine = open_store(f"lmdb://{root / f'host{host}'}")
+        copies = [
+            e for e in read_index(engine).remote.values()
+            if e.get("origin") == PEER and e["checkpoint_id"] == "step-2"
+        ]  # fmt: skip
+        assert not copies, (host, copies)
+        if host != victim:  # what had arrived of a copy that failed is gone
+            ranks = {k.split("/")[4] for k in engine.scan(data_prefix(engine.prefix, "step-2"))}
+            assert ranks == {str(host)}, (host, ranks)
+        engine.close()
+    cases = [_case(root, "restart", []), _case(root, "lost-killed", [victim])]
+    spawn(_peers.restore_worker, world, cases, srv.url(), 1, 1, str(out))
+    for name, step in (("restart", 2), ("lost-killed", 1)):
+        ranks = _results(out, name, world)
+        assert all(r["exact"] and r["checkpoint_id"] == f"step-{step}" for r in ranks), (
+            name,
+            ranks,
+        )
+
+
+def _damage(root: Path, host: int, checkpoint_id: str, rank: int) -> None:
+    """Overwrite one of ``rank``'s values of a checkpoint in a host's store with wrong bytes
+    of the same length (a copy damaged at rest)."""
+    engine = open_store(f"lmdb://{root / f'host{host}'}")
+    keys = [
+        k for k in engine.scan(data_prefix(engine.prefix, checkpoint_id))
+        if k.split("/")[4] == str(rank)
+    ]  # fmt: skip
+    sizes = engine.value_sizes(keys)
+    key, size = max(zip(keys, sizes, strict=True), key=lambda pair: pair[1])
+    engine.put_many([(key, b"\xa5" * size)])
+    engine.close()
+
+
+def test_a_damaged_copy_falls_back_to_the_next_holder(
+    tmp_path: Path, server: Callable[..., RedisServer]
+) -> None:
+    """The newest save lives in the hosts' stores and their peers' (not in Redis). A damaged
+    copy sends its items to another holder: another peer's copy, or a peer's copy of a
+    host's own share; the restore stays on the newest save, bit-exact. With no holder left,
+    it goes back to the newest save held whole."""
+    world = 4
+    srv = server()
+    root, out = tmp_path / "hosts", tmp_path / "out"
+    root.mkdir()
+    out.mkdir()
+    spawn(_peers.save_worker, world, str(root), srv.url(), 1, 2, 1000, 2, str(out))
+    # host1 replaced; host2's copy of its share damaged: host3 holds the other copy
+    replaced = _case(root, "replaced", [1])
+    _damage(Path(replaced[1]), 2, "step-2", 1)
+    # a plain restart; host1's own value damaged: host2 and host3 hold copies of it
+    own = _case(root, "own", [])
+    _damage(Path(own[1]), 1, "step-2", 1)
+    # host1 replaced, both copies of its share damaged: no store holds step-2 whole any
+    # more, and the restore goes back to step-1 (in Redis, the 1st save), whole
+    none = _case(root, "none", [1])
+    _damage(Path(none[1]), 2, "step-2", 1)
+    _damage(Path(none[1]), 3, "step-2", 1)
+    spawn(_peers.restore_worker, world, [replaced, own, none], srv.url(), 1, 2, str(out))
+    for name in ("replaced", "own"):
+        ranks = _results(out, name, world)
+        assert all(r["exact"] and r["checkpoint_id"] == "step-2" for r in ranks), (name, ranks)
+        assert sum(r["shared"] for r in ranks) == 0, (name, ranks)
+    ranks = _results(out, "none", world)
+    assert all(r["exact"] and r["checkpoint_id"] == "step-1" for r in ranks), ranks
