@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from report import markdown_table, write_report
-from run import MIB, make_state_dict
+from workload import MIB, make_state_dict
 
 from kvckpt import KVStorageReader, KVStorageWriter
 from kvckpt.testing import RedisServer

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run import MIB, RawRedis, make_state_dict, tensor_parts
+from baselines import RawRedis
+from workload import MIB, make_state_dict, tensor_parts
 
 from kvckpt.testing import RedisServer
 

@@ -36,14 +36,24 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 
 
 def write_report(
-    out: str | Path, name: str, table: str, machine: str, data: dict[str, Any]
+    out: str | Path,
+    name: str,
+    table: str,
+    machine: str,
+    data: dict[str, Any],
+    *,
+    head: str = "",
+    date: str | None = None,
 ) -> None:
-    print(table)
+    """``NAME.json`` and ``NAME.md`` into ``out``: ``head`` (if any) above the table, the
+    machine and ``date`` (today's unless given) below it."""
+    text = f"{head}\n\n{table}" if head else table
+    print(text)
     print(machine)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({"machine": machine, **data}, indent=1))
-    (out / f"{name}.md").write_text(f"{table}\n\n{machine}; {time.strftime('%Y-%m-%d')}\n")
+    (out / f"{name}.md").write_text(f"{text}\n\n{machine}; {date or time.strftime('%Y-%m-%d')}\n")
 
 
 @contextmanager

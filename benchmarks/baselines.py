@@ -1,0 +1,148 @@
+"""The baselines ``benchmarks/run.py`` measures kvckpt against, with no kvckpt around them:
+the smallest pipelined Redis client, LMDB's own put, and glibc's memcpy of the same parts."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import shutil
+import socket
+from pathlib import Path
+
+import lmdb
+import torch
+from timing import timed
+from workload import KIB, MIB, nbytes, tensor_parts, zeros_like
+
+
+class RawRedis:
+    """The smallest pipelined RESP client: SET from the caller's memory, GET into a buffer."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = bytearray(64 * KIB)
+        self.view = memoryview(self.buf)
+        self.start = self.end = 0
+
+    def _fill(self) -> None:
+        if self.start == self.end:
+            self.start = self.end = 0
+        n = self.sock.recv_into(self.view[self.end :])
+        if n == 0:
+            raise ConnectionError("redis closed the connection")
+        self.end += n
+
+    def _line(self) -> bytes:
+        while True:
+            i = self.buf.find(b"\r\n", self.start, self.end)
+            if i >= 0:
+                line = bytes(self.buf[self.start : i])
+                self.start = i + 2
+                return line
+            if self.start:
+                self.buf[: self.end - self.start] = self.buf[self.start : self.end]
+                self.end -= self.start
+                self.start = 0
+            self._fill()
+
+    def _read_into(self, dest: memoryview) -> None:
+        have = min(self.end - self.start, len(dest))
+        dest[:have] = self.view[self.start : self.start + have]
+        self.start += have
+        pos = have
+        while pos < len(dest):
+            pos += self.sock.recv_into(dest[pos:])
+
+    def set_many(self, items: list[tuple[bytes, memoryview]]) -> None:
+        for key, value in items:
+            self.sock.sendall(
+                b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(value))
+            )
+            self.sock.sendall(value)
+            self.sock.sendall(b"\r\n")
+        for _ in items:
+            if self._line() != b"+OK":
+                raise RuntimeError("SET failed")
+
+    def get_into(self, items: list[tuple[bytes, memoryview]], read_ahead: int = 16 * MIB) -> None:
+        """Pipelined GETs, at most ``read_ahead`` bytes of replies outstanding (at least one).
+
+        Sending every GET at once makes redis-server build all the replies in its output
+        buffer before the socket drains it, which more than halves throughput
+        (benchmarks/redis_ceiling.py); the best raw client keeps a window, as kvckpt does.
+        """
+        crlf = memoryview(bytearray(2))
+        sent = outstanding = 0
+        for i, (_, dest) in enumerate(items):
+            group = []
+            while sent < len(items) and (
+                sent <= i or outstanding + len(items[sent][1]) <= read_ahead
+            ):
+                group.append(items[sent][0])
+                outstanding += len(items[sent][1])
+                sent += 1
+            if group:
+                self.sock.sendall(
+                    b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in group)
+                )
+            header = self._line()
+            if int(header[1:]) != len(dest):
+                raise RuntimeError(f"unexpected reply {header[:20]!r}")
+            self._read_into(dest)
+            self._read_into(crlf)
+            outstanding -= len(dest)
+
+
+def raw_lmdb_put_steady(
+    sd: dict[str, torch.Tensor], path: Path, part: int, repeats: int
+) -> list[float]:
+    """Seconds of LMDB's own put of ``sd`` in ``part``-byte values, in one write transaction,
+    into a store that holds the two previous copies (their pages freed one save later)."""
+    size = nbytes(sd)
+    env = lmdb.open(str(path), map_size=8 * size + 64 * MIB, writemap=True, sync=False)
+    saves: list[list[bytes]] = []
+    generations = itertools.count()
+
+    def put() -> None:
+        if len(saves) >= 3:
+            with env.begin(write=True) as txn:
+                for k in saves.pop(0):
+                    txn.delete(k)
+        keys, generation = [], next(generations)
+        with env.begin(write=True) as txn:
+            for k, v in tensor_parts(sd, part):
+                key = b"%d/" % generation + k
+                txn.put(key, v)
+                keys.append(key)
+        saves.append(keys)
+
+    for _ in range(3):
+        put()
+    times = timed(put, repeats)
+    env.close()
+    shutil.rmtree(path)
+    return times
+
+
+def memcpy_times(sd: dict[str, torch.Tensor], part: int, repeats: int) -> list[float]:
+    """Seconds of glibc's memcpy (``memmove``, through ctypes) of ``sd``'s bytes in
+    ``part``-byte pieces, one thread, into a destination already in use: the copy LMDB's put
+    makes, with nothing around it. glibc reads its non-temporal threshold
+    (``GLIBC_TUNABLES``) when the process starts."""
+    dest = zeros_like(sd)
+    pieces = []
+    for name, t in sd.items():
+        src, dst, size = t.data_ptr(), dest[name].data_ptr(), t.nbytes
+        pieces += [(dst + o, src + o, min(part, size - o)) for o in range(0, size, part)]
+
+    def copy() -> None:
+        for to, frm, n in pieces:
+            ctypes.memmove(to, frm, n)
+
+    copy()  # the destination's pages are in use, as a store's reused pages are
+    times = timed(copy, repeats)
+    for name, t in sd.items():
+        if not torch.equal(t, dest[name]):
+            raise AssertionError(f"memcpy differs at {name}")
+    return times

@@ -1,0 +1,130 @@
+"""``benchmarks/run.py``'s report: where it ran (the CPU, memcpy's GB/s, LMDB's put ceiling)
+and whether it met its targets, above the table of every row (``targets.rows``), written to
+``results.json``, ``results.md`` and ``results.png``."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+from report import figure, markdown_table, write_report
+from targets import TARGETS, Row, missed, target_text
+from workload import MIB
+
+#: The two memcpy settings of the store-mode processes: (results key part, label)
+SETTINGS = (("default", "glibc's default"), ("nt", "non-temporal stores from 4 MiB"))
+
+
+def ratio_cell(v: float) -> str:
+    """Two decimals; three below 1, where the targets sit (a cost of 0.102 against a bar of
+    0.10 must not read 0.10)."""
+    return f"{v:.3f}" if abs(v) < 1 else f"{v:.2f}"
+
+
+def machine_line(r: dict[str, Any]) -> str:
+    """The run's machine line, naming the CPU (a run that did not record it says so)."""
+    cpu = r.get("cpu") or "CPU not recorded"
+    return r["machine"] if cpu in r["machine"] else f"{cpu}; {r['machine']}"
+
+
+def header(r: dict[str, Any], rows: list[Row]) -> str:
+    """Where the run ran and whether it passed: the CPU, memcpy's GB/s and LMDB's put ceiling
+    on it, the date and command, and the targets met and missed."""
+
+    def gbps(name: str) -> str:
+        return f"{r[name]['gbps']:.2f} GB/s"
+
+    memcpy = [
+        f"{gbps(f'store_mode_{key}_memcpy')} with {label}"
+        for key, label in SETTINGS
+        if f"store_mode_{key}_memcpy" in r
+    ]
+    own = [
+        f"{gbps(f'store_mode_{key}_raw_put')} with {label}"
+        for key, label in SETTINGS
+        if f"store_mode_{key}_raw_put" in r
+    ]
+    ceiling = f"{gbps('raw_lmdb_put_steady')}" if "raw_lmdb_put_steady" in r else "not measured"
+    if own:
+        ceiling += f" (in a process of its own: {', '.join(own)})"
+    short = [name for name, _ in missed(rows)]
+    met = f"{len(TARGETS) - len(short)} of {len(TARGETS)} met"
+    lines = [
+        f"- CPU: {r.get('cpu') or 'not recorded by this run'}; {r['machine']}",
+        "- memcpy, one thread, LMDB's value-sized pieces into memory in use: "
+        + (", ".join(memcpy) if memcpy else "not measured in this run"),
+        "- LMDB's put ceiling (its own put of the same values into a store that holds the "
+        f"previous ones, one write transaction, no kvckpt): {ceiling}",
+        f"- {r['date']}; `{r['command']}`",
+        f"- targets: {met}" + ("; not met: " + "; ".join(short) if short else ""),
+    ]
+    return "\n".join(lines)
+
+
+def table(rows: list[Row]) -> str:
+    """Every row: which way is better, the value, and the target and whether it passed."""
+    return markdown_table(
+        ("metric", "better", "measured", "target", "pass", "note"),
+        (
+            (
+                row.metric,
+                row.better,
+                ratio_cell(row.value),
+                target_text(row.target) or "-",
+                "-" if row.met is None else "yes" if row.met else "no",
+                row.note,
+            )
+            for row in rows
+        ),
+    )
+
+
+def chart(results: dict[str, Any], path: Path) -> None:
+    """Every throughput measured (GB/s, higher is better), kvckpt's in orange."""
+    names = [
+        k
+        for k, v in results.items()
+        if isinstance(v, dict) and "gbps" in v and not k.startswith(("small_", "async_"))
+    ]
+    values = [results[k]["gbps"] for k in names]
+    colors = ["tab:orange" if k.startswith("kv_") else "tab:gray" for k in names]
+    with figure(path, figsize=(10, 0.35 * len(names) + 1.5)) as (_, ax):
+        ax.barh(names[::-1], values[::-1], color=colors[::-1])
+        ax.set_xlabel("GB/s (median; higher is better)")
+        ax.set_title(
+            f"kvckpt vs baselines, {results['state_dict_bytes'] / MIB:.0f} MiB state dict, "
+            f"{str(results['date'])[:10]}\n{results.get('cpu') or 'CPU not recorded'}\n"
+            f"{results['machine']}",
+            fontsize=9,
+        )
+        for i, v in enumerate(values[::-1]):
+            ax.text(v, i, f" {v:.2f}", va="center", fontsize=8)
+
+
+def write(out: Path, results: dict[str, Any], rows: list[Row], with_chart: bool) -> None:
+    """``results.json`` (the rows in ``ratios``), ``results.md`` and, unless not
+    ``with_chart`` (or matplotlib is missing), ``results.png``."""
+    results["ratios"] = [
+        {
+            "metric": row.metric,
+            "value": row.value,
+            "better": row.better,
+            "target": target_text(row.target) or None,
+            "met": row.met,
+            "note": row.note,
+        }
+        for row in rows
+    ]
+    write_report(
+        out,
+        "results",
+        table(rows),
+        machine_line(results),
+        results,
+        head=header(results, rows),
+        date=str(results["date"])[:10],
+    )
+    if with_chart:
+        with contextlib.suppress(ImportError):
+            chart(results, out / "results.png")
