@@ -43,9 +43,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import torch
 import torch.distributed as dist
 
@@ -89,12 +90,12 @@ class _Outcome:
 
 @dataclass
 class _Report:
-    """One rank's contribution to a copy's first all-gather."""
+    """One rank's contribution to a copy's first all-gather: a few bytes, whatever the job's
+    size (what each rank wrote goes only to the ranks that copy it, ``_swap_locations``)."""
 
     checkpoint_id: str
     save_id: str
     ok: bool
-    locations: list[ItemLocation] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -308,7 +309,7 @@ class PeerCopier:
             mine = None
         me = dist.get_rank()
         # 1. What every rank wrote (no waiting: a rank whose write failed means no commit).
-        report = _Report(checkpoint_id, save_id, mine is not None, mine or [])
+        report = _Report(checkpoint_id, save_id, mine is not None)
         reports: list[_Report | None] = [None] * dist.get_world_size()
         dist.all_gather_object(reports, report, group=group)
         saves = {(r.checkpoint_id, r.save_id) for r in reports if r is not None}
@@ -327,12 +328,10 @@ class PeerCopier:
         if outcome is None or not outcome.committed:
             return None
         self._tidy(checkpoint_id, save_id, outcome)
-        sends = [(to, self._parts(report.locations, checkpoint_id, save_id)) for to in
-                 topology.sends(me, self.peers)]  # fmt: skip
-        receives = [
-            (src, self._parts(reports[src].locations, checkpoint_id, save_id))  # type: ignore[union-attr]
-            for src in topology.receives(me, self.peers)
-        ]
+        targets, sources = topology.sends(me, self.peers), topology.receives(me, self.peers)
+        theirs = self._swap_locations(mine or [], targets, sources)
+        sends = [(to, self._parts(mine or [], checkpoint_id, save_id)) for to in targets]
+        receives = [(src, self._parts(theirs[src], checkpoint_id, save_id)) for src in sources]
         trouble: list[str] = []
         try:
             received = self._move(sends, receives, trouble, renew)
@@ -360,6 +359,41 @@ class PeerCopier:
         if ranks or self._keeps_metadata(topology, me):
             self._commit(checkpoint_id, save_id, ranks, outcome, topology, me)
         return received
+
+    def _swap_locations(
+        self, mine: list[ItemLocation], targets: list[int], sources: list[int]
+    ) -> dict[int, list[ItemLocation]]:
+        """Send what this rank wrote to the ranks that copy it, and learn what each of its
+        sources wrote: point to point, so that each rank hears of K shares, not the job's."""
+        payload = msgpack.packb([loc.to_fields() for loc in mine])
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        sizes = {src: torch.zeros(1, dtype=torch.int64) for src in sources}
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        try:
+            self._run([(dist.isend, size, to) for to in targets] +
+                      [(dist.irecv, sizes[src], src) for src in sources])  # fmt: skip
+            into = {src: torch.empty(int(sizes[src].item()), dtype=torch.uint8) for src in sources}
+            self._run([(dist.isend, data, to) for to in targets] +
+                      [(dist.irecv, into[src], src) for src in sources])  # fmt: skip
+        except Exception as e:
+            self._broken = f"the copies' process group failed: {e}"
+            raise ReplicationError(
+                f"peer copies stop for the rest of this job: {self._broken} (a peer gone?)"
+            ) from e
+        return {
+            src: [
+                ItemLocation.from_fields(fields)
+                for fields in msgpack.unpackb(into[src].numpy().tobytes(), raw=False)
+            ]
+            for src in sources
+        }
+
+    def _run(self, ops: list[tuple[Callable[..., Any], torch.Tensor, int]]) -> None:
+        works = dist.batch_isend_irecv(
+            [dist.P2POp(op, t, peer, self._group) for op, t, peer in ops]
+        )
+        for work in works if ops else []:
+            work.wait()
 
     def _parts(
         self, locations: Sequence[ItemLocation], checkpoint_id: str, save_id: str
