@@ -85,7 +85,14 @@ class TieredStorageWriter(KVStorageWriter):
     def _saves_held(self) -> int | None:
         # and the save whose background copy is running, which keep_last leaves in place
         held = super()._saves_held()
-        return held if held is None or len(self.tiers.engines) == 1 else held + 1
+        if held is None:
+            return None
+        if len(self.tiers.engines) > 1:
+            held += 1
+        # with peers, each save held also brings K other nodes' shares (as large as this
+        # node's, where the job is balanced): the map is sized for them too
+        copier = self.tiers.peer_copies
+        return held * (1 + copier.peers) if copier.active else held
 
     def _protected(self, checkpoint_id: str) -> list[str]:
         # keep_last waits for the copies and exports of earlier checkpoints still in flight

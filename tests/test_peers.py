@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from kvckpt import open_store
+from kvckpt import Tiers, open_store
 from kvckpt.catalog import PEER, read_index
 from kvckpt.format import data_prefix
 from kvckpt.placement import Topology, covered
@@ -296,3 +296,14 @@ def test_a_damaged_copy_falls_back_to_the_next_holder(
         assert sum(r["shared"] for r in ranks) == 0, (name, ranks)
     ranks = _results(out, "none", world)
     assert all(r["exact"] and r["checkpoint_id"] == "step-1" for r in ranks), ranks
+
+
+def test_the_map_is_sized_for_the_peer_shares_too(tmp_path: Path) -> None:
+    """Each save a node's store holds brings K peers' shares: the LMDB map and the pages a
+    save makes ready count them (``KVStorageWriter.get_ready``)."""
+    tiers = Tiers([f"lmdb://{tmp_path / 'host0'}"], keep_last=2, peers=2)
+    assert tiers.writer()._saves_held() == 3  # no other node: nothing to copy
+    tiers.peer_copies._group = object()  # type: ignore[assignment]  # as where copies run
+    assert tiers.writer()._saves_held() == 3 * (1 + 2)
+    tiers.peer_copies._group = None
+    tiers.close()
