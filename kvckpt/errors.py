@@ -71,6 +71,11 @@ class IntegrityError(DataError):
     """A value's checksum does not match the one recorded when it was saved."""
 
 
+class NotHeldError(DataError):
+    """No store a restore reads could serve some items of the checkpoint whole: every copy of
+    them is damaged or gone (``Tiers.restore`` then restores the newest save held whole)."""
+
+
 class StoreFullError(KVCheckpointError):
     """The store has no room for the checkpoint (Redis maxmemory, a full filesystem)."""
 

@@ -335,17 +335,22 @@ class PeerCopier:
         trouble: list[str] = []
         try:
             received = self._move(sends, receives, trouble, renew)
+            # 3. A copy counts only where every rank's part of it arrived whole.
+            failures: list[list[str] | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(failures, trouble, group=group)
         except BaseException as e:  # the group failed mid-copy: what arrived is not a copy
             with contextlib.suppress(Exception):
                 self.engine.delete([p.key for _, parts in receives for p in parts])
-            if isinstance(e, ReplicationError):
-                raise ReplicationError(
-                    f"the peer copy of checkpoint {checkpoint_id!r} is kept nowhere: {e}"
-                ) from e
-            raise
-        # 3. A copy counts only where every rank's part of it arrived whole.
-        failures: list[list[str] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(failures, trouble, group=group)
+            if not isinstance(e, Exception):
+                raise
+            if not isinstance(e, ReplicationError):  # the copies' group itself failed
+                self._broken = f"the copies' process group failed: {e}"
+                e = ReplicationError(
+                    f"peer copies stop for the rest of this job: {self._broken} (a peer gone?)"
+                )
+            raise ReplicationError(
+                f"the peer copy of checkpoint {checkpoint_id!r} is kept nowhere: {e}"
+            ) from e
         failed = [f"rank {r}: {why}" for r, errs in enumerate(failures) for why in errs or []]
         if failed:
             with contextlib.suppress(Exception):
@@ -431,7 +436,10 @@ class PeerCopier:
         arena = torch.empty(sum(widths), dtype=torch.uint8)
         starts = [sum(widths[:i]) for i in range(len(widths))]
         for step in range(steps):
-            renew()
+            try:
+                renew()
+            except Exception as e:  # the copy goes on to its last step, then counts for nothing
+                trouble.append(f"the copy's read lease on {self.engine.url} lapsed: {e}")
             sending = [(to, c[step]) for to, c in out if step < len(c)]
             landing = [
                 (src, c[step], arena[start : start + _nbytes(c[step])])

@@ -603,7 +603,7 @@ class _ItemRead:
             part = narrow_tensor_by_index(src, req.storage_offsets, req.lengths)
             target = self.planner.resolve_tensor(req).detach()
             if target.size() != part.size():
-                raise DataError(
+                raise ShapeMismatchError(
                     f"{req.storage_index.fqn!r}: the load plan wants shape {list(target.size())} "
                     f"but the checkpoint holds {list(part.size())}"
                 )

@@ -34,7 +34,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -51,8 +51,12 @@ from .engines.base import Engine
 from .errors import (
     CheckpointNotFoundError,
     DamagedCopyError,
+    DataError,
     KVCheckpointError,
+    NotHeldError,
+    ShapeMismatchError,
     StoreNotFoundError,
+    UnsafeObjectError,
 )
 from .format import CheckpointRecord, decode_metadata, gc_paused
 from .holdings import held_items, item_order
@@ -66,6 +70,36 @@ logger = logging.getLogger(__name__)
 
 #: Where a rank's bytes came from, as ``TieredStorageReader.stats`` counts them.
 LOCAL, PEERS, SENT = "local", "peers", "sent"
+
+
+#: Errors that say nothing about the store read: raised at once, never sent to the next tier.
+_NOT_THE_STORES = (UnsafeObjectError, ShapeMismatchError)
+
+
+@dataclass
+class _StepPairs:
+    """A route's (item, rank) pairs of one step of the exchange."""
+
+    send: list[tuple[int, int]] = field(default_factory=list)
+    receive: list[tuple[int, int]] = field(default_factory=list)
+    relay: list[tuple[int, int]] = field(default_factory=list)
+    relayed: list[tuple[int, int]] = field(default_factory=list)
+
+
+class _Steps:
+    """A route's pairs grouped by step, once."""
+
+    def __init__(self, route: Route) -> None:
+        step_of = dict(route.step_of)
+        self._steps: dict[int, _StepPairs] = defaultdict(_StepPairs)
+        for name in ("send", "receive", "relay", "relayed"):
+            for item, peer in getattr(route, name):
+                getattr(self._steps[step_of[item]], name).append((item, peer))
+        #: the items this rank receives into memory of its own, unless their target takes them
+        self.landing = {item for item, _ in (*route.receive, *route.relayed)}
+
+    def of(self, step: int) -> _StepPairs:
+        return self._steps.get(step, _StepPairs())
 
 
 @dataclass
@@ -223,6 +257,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
             )
         checkpoint_id = self._require_id()
         self._release_leases()
+        self.stats = RestoreStats()  # a load again (after DamagedCopyError) counts afresh
         found: list[str] = []
         chosen = None
         for tier, engine in enumerate(self.engines):
@@ -410,6 +445,14 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         sending = {item for item, _ in route.send}
         local_tiers = [] if self._local() is None else [0]
         tiers_of: dict[int, list[int]] = {}
+        steps = _Steps(route)
+        # One buffer for every step's items, each step's in turn: the most a step holds. New
+        # buffers per step would leave the allocator's freed ones resident besides.
+        need: dict[int, int] = defaultdict(int)
+        for item, step in route.step_of:
+            if item in sending or item in steps.landing:
+                need[step] += record.locations[self._items()[item]].nbytes
+        arena = torch.empty(0, dtype=torch.uint8)
         error: BaseException | None = None
         try:
             for items, tiers in ((route.local, local_tiers), (route.shared, [])):
@@ -417,21 +460,21 @@ class TieredStorageReader(KVStorageBase, StorageReader):
                 own = [i for i in items if i not in sending]
                 self._read_into_targets(record, own, wanted, planner, tiers)
                 tiers_of.update((i, tiers) for i in items if i in sending)
+            arena = torch.empty(max(need.values(), default=0), dtype=torch.uint8)
+            self._renew_leases()
         except BaseException as e:  # every rank must hear of it before the exchange
             error = e
         self._all_ok(error)
-        self._renew_leases()
         self.stats.from_other_nodes += route.from_other_nodes
-        step_of = dict(route.step_of)
-        # One buffer for every step's items, each step's in turn: the most a step holds. New
-        # buffers per step would leave the allocator's freed ones resident besides.
-        need: dict[int, int] = defaultdict(int)
-        pairs = [*dict(route.send).items(), *route.receive, *route.relayed]
-        for item, _ in pairs:
-            need[step_of[item]] += record.locations[self._items()[item]].nbytes
-        arena = torch.empty(max(need.values(), default=0), dtype=torch.uint8)
+        # An error after a step's check waits for the next check, the next step's or the last
+        # one: every rank takes every step, so none is left waiting on another.
+        carried: BaseException | None = None
         for step in range(route.steps):
-            self._exchange(record, route, step, step_of, wanted, tiers_of, planner, arena)
+            carried = self._exchange(
+                record, steps.of(step), carried, wanted, tiers_of, planner, arena
+            )
+        if route.steps:
+            self._all_ok(carried)
 
     def _item_read(
         self,
@@ -459,6 +502,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         next, logged."""
         indexes = self._items()
         todo = items
+        damaged_here: set[int] = set()  # items this node's store holds but cannot serve
         for n, tier in enumerate(tiers):
             if not todo:
                 return
@@ -467,19 +511,21 @@ class TieredStorageReader(KVStorageBase, StorageReader):
                 self._read_items(reader, record, [indexes[i] for i in todo], wanted, planner)
                 self._count(tier, record, todo)
                 return
+            except _NOT_THE_STORES:
+                raise
             except KVCheckpointError as e:
-                if n == len(tiers) - 1 and tier != self._local():
-                    raise
-                failed = self._failing(reader, record, todo, wanted, planner, indexes)
+                failed, damaged = self._failing(reader, record, todo, wanted, planner, indexes)
                 if tier == self._local():
-                    self._damaged.update(failed)
-                if n == len(tiers) - 1:
-                    raise
-                self._fell_back(tier, tiers[n + 1], len(failed), e)
+                    damaged_here = damaged
                 self._count(tier, record, [i for i in todo if i not in failed])
+                if n == len(tiers) - 1:
+                    if failed != damaged:
+                        raise
+                    self._not_held(record, failed, damaged_here, e)
+                self._fell_back(tier, tiers[n + 1], len(failed), e)
                 todo = sorted(failed)
         if todo:
-            raise KVCheckpointError(f"no tier holds {len(todo)} items of {record.checkpoint_id!r}")
+            self._not_held(record, set(todo), damaged_here, None)
 
     def _read_items(
         self,
@@ -500,16 +546,40 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         wanted: dict[int, list[ReadItem]],
         planner: LoadPlanner,
         indexes: list[MetadataIndex],
-    ) -> set[int]:
+    ) -> tuple[set[int], set[int]]:
         """After a batch failed on a tier: read its items one by one there, and return the
-        ones that tier cannot serve."""
-        failed = set()
+        ones that tier cannot serve, and of those the ones whose values it holds damaged or
+        not at all (``DataError``)."""
+        failed, damaged = set(), set()
         for i in items:
             try:
                 self._read_items(reader, record, [indexes[i]], wanted, planner)
-            except KVCheckpointError:
+            except _NOT_THE_STORES:
+                raise
+            except KVCheckpointError as e:
                 failed.add(i)
-        return failed
+                if isinstance(e, DataError):
+                    damaged.add(i)
+        return failed, damaged
+
+    def _not_held(
+        self,
+        record: CheckpointRecord,
+        items: set[int],
+        damaged_here: set[int],
+        cause: BaseException | None,
+    ) -> NoReturn:
+        """No tier could serve ``items``; those this node's store was counted on for and held
+        damaged are reported to every rank (``_distrust``)."""
+        self._damaged |= damaged_here & items
+        names = sorted({self._items()[i].fqn for i in items})
+        raise NotHeldError(
+            f"checkpoint {record.checkpoint_id!r}: no store could serve {len(items)} item(s) "
+            f"whole ({', '.join(repr(n) for n in names[:3])}"
+            + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            + ")"
+            + ("" if cause is None else f"; the last said: {cause}")
+        ) from cause
 
     def _read_bytes(
         self, record: CheckpointRecord, item: int, tiers: list[int], out: torch.Tensor
@@ -518,6 +588,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         whole."""
         index = self._items()[item]
         loc = record.locations[index]
+        damaged_here: set[int] = set()
         for n, tier in enumerate(tiers):
             reader = self._reader(tier)
 
@@ -527,16 +598,20 @@ class TieredStorageReader(KVStorageBase, StorageReader):
 
             try:
                 fetch_parts(reader.engine, record, [(index, loc)], part, verify=reader.verify)
+            except _NOT_THE_STORES:
+                raise
             except KVCheckpointError as e:
-                if tier == self._local():
-                    self._damaged.add(item)
+                if tier == self._local() and isinstance(e, DataError):
+                    damaged_here = {item}
                 if n == len(tiers) - 1:
-                    raise
+                    if not isinstance(e, DataError):
+                        raise
+                    self._not_held(record, {item}, damaged_here, e)
                 self._fell_back(tier, tiers[n + 1], 1, e)
                 continue
             self._count(tier, record, [item])
             return out
-        raise KVCheckpointError(f"no tier holds {index.fqn!r} of {record.checkpoint_id!r}")
+        self._not_held(record, {item}, damaged_here, None)
 
     def _fell_back(self, tier: int, to: int, items: int, error: BaseException) -> None:
         source, target = self.engines[tier], self.engines[to]
@@ -566,20 +641,27 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         one with its own error. Where a node's store failed to serve items it was counted on
         for (a damaged copy), every rank raises ``DamagedCopyError`` instead, having learnt
         which: the next load of the same save reads them from their next holder."""
+        # 0: fine; 1: items no store could serve whole; 2: any other error
+        code = 0 if error is None else 1 if isinstance(error, NotHeldError) else 2
         if self._group is not None:
-            flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
-            dist.all_reduce(flag, group=self._group)
-            failed = int(flag.item())
+            flag = torch.tensor([code], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            worst = int(flag.item())
         else:
-            failed = 0 if error is None else 1
-        if failed:
+            worst = code
+        if worst:
             self._distrust()
         if error is not None:
             raise error
-        if failed:
+        if worst == 1:
+            raise NotHeldError(
+                f"restoring {self.checkpoint_id!r}: other ranks found items that no store "
+                "could serve whole (their logs say which)"
+            )
+        if worst:
             raise KVCheckpointError(
-                f"restoring {self.checkpoint_id!r}: {failed} other rank(s) could not read "
-                "their share (their logs say why); nothing was exchanged"
+                f"restoring {self.checkpoint_id!r}: other ranks could not read their share "
+                "(their logs say why)"
             )
 
     def _distrust(self) -> None:
@@ -592,16 +674,19 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         if self._group is not None:
             reports = [None] * dist.get_world_size(self._group)
             dist.all_gather_object(reports, mine, group=self._group)
-        new = 0
+        new: dict[str, int] = {}
         for node, items in reports:
             known = self._distrusted.setdefault((record.save_id, node), set())
-            new += len(set(items) - known)
+            fresh = set(items) - known
+            if fresh:
+                new[node] = new.get(node, 0) + len(fresh)
             known.update(items)
         if new:
-            nodes = sorted({node for node, items in reports if items})
+            nodes = sorted(new)
             raise DamagedCopyError(
                 f"checkpoint {record.checkpoint_id!r}: the stores of node(s) "
-                f"{', '.join(nodes)} could not serve {new} item(s) they hold (damaged or "
+                f"{', '.join(nodes)} could not serve {sum(new.values())} item(s) they hold "
+                "(damaged or "
                 "gone; their logs say which). Load again: the next load reads them from "
                 "another holder (Tiers.restore does so itself)."
             )
@@ -609,23 +694,20 @@ class TieredStorageReader(KVStorageBase, StorageReader):
     def _exchange(
         self,
         record: CheckpointRecord,
-        route: Route,
-        step: int,
-        step_of: dict[int, int],
+        pairs: _StepPairs,
+        carried: BaseException | None,
         wanted: dict[int, list[ReadItem]],
         tiers_of: dict[int, list[int]],
         planner: LoadPlanner,
         arena: torch.Tensor,
-    ) -> None:
+    ) -> BaseException | None:
         """One step of the exchange (``kvckpt.routes``): read the step's items this rank sends,
-        then send and receive them; each received item goes straight into its target tensor
-        where it can (a whole stored chunk into a contiguous CPU tensor). Every rank takes
-        every step, and learns first whether any rank failed its reads."""
+        learn whether any rank failed so far (``carried``: an error of the step before), then
+        send and receive them; each received item goes straight into its target tensor where
+        it can (a whole stored chunk into a contiguous CPU tensor). Returns the first error
+        after the check, for the next one: the step's transfers go ahead regardless, so that
+        no rank waits on one that left."""
         indexes = self._items()
-
-        def now(pairs: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
-            return [(item, peer) for item, peer in pairs if step_of[item] == step]
-
         taken = 0
 
         def take(nbytes: int) -> torch.Tensor:
@@ -634,9 +716,9 @@ class TieredStorageReader(KVStorageBase, StorageReader):
             return arena[taken - nbytes : taken]
 
         outgoing: dict[int, torch.Tensor] = {}
-        error: BaseException | None = None
+        error = carried
         try:
-            for item in sorted({item for item, _ in now(route.send)}):
+            for item in sorted({item for item, _ in pairs.send}) if error is None else ():
                 nbytes = record.locations[indexes[item]].nbytes
                 outgoing[item] = self._read_bytes(record, item, tiers_of[item], take(nbytes))
                 if item in wanted:
@@ -646,15 +728,21 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         except BaseException as e:
             error = e
         self._all_ok(error)
-        landing: dict[int, tuple[_ItemRead, torch.Tensor | None, torch.Tensor | None]] = {}
+        error = None
+        landing: dict[int, tuple[_ItemRead | None, torch.Tensor | None, torch.Tensor | None]] = {}
 
-        def receiving(pairs: list[tuple[int, int]]) -> list[Any]:
+        def receiving(from_: list[tuple[int, int]]) -> list[Any]:
+            nonlocal error
             ops = []
-            for item, peer in pairs:
-                read = self._item_read(record, indexes[item], wanted[item], planner)
-                nbytes = read.loc.nbytes
+            for item, peer in from_:
+                nbytes = record.locations[indexes[item]].nbytes
+                read = None
+                try:
+                    read = self._item_read(record, indexes[item], wanted[item], planner)
+                except BaseException as e:  # received all the same: the sender goes on
+                    error = error or e
                 buffer = None
-                if read.dest is not None:
+                if read is not None and read.dest is not None:
                     into = byte_tensor(read.dest) if nbytes else None
                 else:
                     into = buffer = take(nbytes)
@@ -664,9 +752,9 @@ class TieredStorageReader(KVStorageBase, StorageReader):
                 self.stats.peers += nbytes
             return ops
 
-        def sending(pairs: list[tuple[int, int]], source: dict[int, Any]) -> list[Any]:
+        def sending(to: list[tuple[int, int]], source: dict[int, Any]) -> list[Any]:
             ops = []
-            for item, peer in pairs:
+            for item, peer in to:
                 tensor = source[item]
                 if tensor is not None and tensor.numel():
                     ops.append(dist.P2POp(dist.isend, tensor, peer, self._group, tag=item))
@@ -674,18 +762,26 @@ class TieredStorageReader(KVStorageBase, StorageReader):
             return ops
 
         # Round 1: from each item's source; round 2: within a node, from the rank it landed on.
-        first = sending(now(route.send), outgoing) + receiving(now(route.receive))
-        self._run(first)
-        second = sending(now(route.relay), {i: into for i, (_, _, into) in landing.items()})
-        second += receiving(now(route.relayed))
+        self._run(sending(pairs.send, outgoing) + receiving(pairs.receive))
+        second = sending(pairs.relay, {i: into for i, (_, _, into) in landing.items()})
+        second += receiving(pairs.relayed)
         self.stats.peak_buffered = max(self.stats.peak_buffered, taken)
         self._run(second)
         for read, buffer, _ in landing.values():
-            if buffer is None and read.dest is not None:
-                read.commit()
-            else:
-                read.apply(byte_view(buffer) if buffer is not None else memoryview(b""))
-        self._renew_leases()
+            try:
+                if read is None:
+                    continue
+                if buffer is None and read.dest is not None:
+                    read.commit()
+                else:
+                    read.apply(byte_view(buffer) if buffer is not None else memoryview(b""))
+            except BaseException as e:
+                error = error or e
+        try:
+            self._renew_leases()
+        except BaseException as e:
+            error = error or e
+        return error
 
     @staticmethod
     def _run(ops: list[Any]) -> None:

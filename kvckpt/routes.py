@@ -140,6 +140,8 @@ def plan_routes(
                     relay[landing].append((item, r))
                     relayed[r].append((item, landing))
             holding += there
+        if len(holding) == 1:
+            continue  # read from a shared tier by the one rank that wants it: no transfer
         step = schedule.place(holding, sizes[item])
         for r in holding:
             step_of[r].append((item, step))

@@ -61,7 +61,13 @@ from .choice import DURABLE_INFO, Restore, choose_newest
 from .copying import copy_values
 from .dcp_files import DirectoryReader, export_checkpoint
 from .engines.base import Engine
-from .errors import DamagedCopyError, KVCheckpointError, ReplicationError, UnsafeStoreError
+from .errors import (
+    DamagedCopyError,
+    KVCheckpointError,
+    NotHeldError,
+    ReplicationError,
+    UnsafeStoreError,
+)
 from .format import (
     ItemLocation,
     part_ranges,
@@ -77,10 +83,6 @@ from .stores import open_store
 from .tiered_writer import TieredStorageWriter
 
 logger = logging.getLogger(__name__)
-
-#: loads of one restore at most: each after the first reads elsewhere what a damaged copy
-#: could not serve in the one before
-_LOADS = 4
 
 
 class Tiers:
@@ -693,11 +695,15 @@ class Tiers:
             reader = self.reader(choice)
             try:
                 self._load(state_dict, reader, load_options)
-            except CheckpointException:
-                if not (isinstance(reader, TieredStorageReader) and reader.distrusted):
+            except CheckpointException as e:
+                not_held = all(isinstance(f, NotHeldError) for f, _ in e.failures.values())
+                if not (not_held and isinstance(reader, TieredStorageReader)):
                     raise
-                # Damaged copies left items of this save with no holder: every rank knows
-                # (the reader gathered them), so every rank goes back to an older save.
+                if not reader.distrusted:
+                    raise
+                # Damaged copies left items of this save with no holder: every rank raised
+                # NotHeldError (the reader told them all), so every rank goes back to an
+                # older save.
                 older = self.latest(before=choice.created_at)
                 logger.warning(
                     "kvckpt restore: no store holds %r whole once its damaged copies are set "
@@ -714,19 +720,20 @@ class Tiers:
             return choice
         return None
 
-    @staticmethod
     def _load(
-        state_dict: dict[str, Any], reader: StorageReader, load_options: dict[str, Any]
+        self, state_dict: dict[str, Any], reader: StorageReader, load_options: dict[str, Any]
     ) -> None:
         """``dcp.load``, again where a damaged copy failed it (every rank raised it, so every
-        rank loads again): the next load reads what the copy could not serve elsewhere."""
-        for attempt in range(1, _LOADS + 1):
+        rank loads again): the next load reads what the copy could not serve elsewhere. Each
+        load sets aside at least one more copy: K + 1 holders of an item take K + 1 loads."""
+        loads = self.peer_copies.peers + 2
+        for attempt in range(1, loads + 1):
             try:
                 dcp.load(state_dict, storage_reader=reader, **load_options)
                 return
             except CheckpointException as e:
                 damaged = [f for f, _ in e.failures.values() if isinstance(f, DamagedCopyError)]
-                if attempt == _LOADS or len(damaged) != len(e.failures):
+                if attempt == loads or len(damaged) != len(e.failures):
                     raise
                 if not dist.is_initialized() or dist.get_rank() == 0:
                     logger.warning("kvckpt restore: %s", damaged[0])

@@ -92,7 +92,9 @@ class TieredStorageWriter(KVStorageWriter):
         # with peers, each save held also brings K other nodes' shares (as large as this
         # node's, where the job is balanced): the map is sized for them too
         copier = self.tiers.peer_copies
-        return held * (1 + copier.peers) if copier.active else held
+        if not copier.active or copier.topology is None:
+            return held
+        return held * (1 + min(copier.peers, len(copier.topology.order) - 1))
 
     def _protected(self, checkpoint_id: str) -> list[str]:
         # keep_last waits for the copies and exports of earlier checkpoints still in flight

@@ -17,6 +17,7 @@ import redis
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -152,4 +153,38 @@ def restore_worker(
             )
         )
     client.close()
+    _finish()
+
+
+class _RefusingPlanner(DefaultLoadPlanner):
+    """A load planner that refuses one tensor: an error raised while an item is applied."""
+
+    def __init__(self, fqn: str) -> None:
+        super().__init__()
+        self.fqn = fqn
+
+    def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+        if read_item.dest_index.fqn == self.fqn:
+            raise RuntimeError(f"this planner refuses {self.fqn!r}")
+        return super().resolve_tensor(read_item)
+
+
+def refusing_restore_worker(
+    rank: int, world: int, port: int, root: str, redis_url: str, fqn: str, out: str
+) -> None:
+    """Every rank restores through a reader whose exchange takes many steps; one rank's
+    planner refuses ``fqn``. Writes what each rank's load raised."""
+    _as_host(rank, 1)
+    _init(rank, world, port)
+    state = rank_state(world, 4.0, zeros=True)
+    reader = TieredStorageReader(
+        [host_url(root, rank, 1), redis_url], checkpoint_id="step-1", budget_bytes=BUDGET
+    )
+    planner = _RefusingPlanner(fqn) if rank == world - 1 else DefaultLoadPlanner()
+    raised = ""
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner)
+    except BaseException as e:
+        raised = str(e)
+    Path(out, f"refused.rank{rank}.json").write_text(json.dumps({"raised": raised}))
     _finish()

@@ -304,6 +304,9 @@ def test_the_map_is_sized_for_the_peer_shares_too(tmp_path: Path) -> None:
     tiers = Tiers([f"lmdb://{tmp_path / 'host0'}"], keep_last=2, peers=2)
     assert tiers.writer()._saves_held() == 3  # no other node: nothing to copy
     tiers.peer_copies._group = object()  # type: ignore[assignment]  # as where copies run
+    tiers.peer_copies.topology = Topology(("a", "b", "c"))
     assert tiers.writer()._saves_held() == 3 * (1 + 2)
+    tiers.peer_copies.topology = Topology(("a", "b"))  # one other node: one peer share
+    assert tiers.writer()._saves_held() == 3 * (1 + 1)
     tiers.peer_copies._group = None
     tiers.close()

@@ -132,3 +132,19 @@ def test_a_new_world_size_reads_the_surviving_stores(
         assert sum(s["peers"] for s in ranks) > crossed
     halved = _restore(tmp_path, redis_url, 1, 1, [("halved", str(saved), "tiers")])["halved"]
     assert 0 < _shared(halved) <= _state_bytes() / 2 * 1.05
+
+
+def test_an_error_while_applying_an_exchanged_item_fails_every_rank_never_hangs(
+    tmp_path: Path, redis_server: RedisServer, redis_url: str
+) -> None:
+    """4 ranks on 4 hosts, an exchange of many steps (a budget under one item); one rank's
+    planner refuses a replicated tensor that other ranks send it. Every rank's load fails,
+    with that rank's error, within the deadline: none waits on a step the others left."""
+    saved = tmp_path / "saved"
+    _save(saved, redis_url, world=4, per_host=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    spawn(_hosts.refusing_restore_worker, 4, str(saved), redis_url, "rep2", str(out))
+    for rank in range(4):
+        raised = json.loads((out / f"refused.rank{rank}.json").read_text())["raised"]
+        assert "this planner refuses 'rep2'" in raised, (rank, raised)

@@ -89,3 +89,13 @@ def test_nothing_to_exchange_takes_no_step() -> None:
     nodes, held, requests, sizes = _job(hosts=2, per_host=1, items=10, lost=set())
     requests = [{i for i in range(10) if held[nodes[r]][i]} for r in range(2)]
     assert {r.steps for r in plan_routes(nodes, held, requests, sizes, 100)} == {0}
+
+
+def test_items_read_from_the_shared_tier_by_the_one_rank_that_wants_them_take_no_step() -> None:
+    """Every store lost and each item wanted by one rank (FSDP shards): each rank reads its
+    own from the shared tier; nothing travels between ranks, and no step is taken."""
+    nodes, held, requests, sizes = _job(hosts=4, per_host=2, items=40, lost={0, 1, 2, 3})
+    requests = [{i for i in range(40) if i % 8 == r} for r in range(8)]
+    routes = plan_routes(nodes, held, requests, sizes, 100)
+    assert {r.steps for r in routes} == {0}
+    assert all(not r.send and not r.step_of for r in routes)

@@ -399,3 +399,27 @@ def test_first_tier_gets_ready_for_the_save_being_copied(tmp_path: Path, redis_u
     assert alone.writer()._saves_held() == 3
     tiers.close()
     alone.close()
+
+
+class _Unlisted:
+    """An object no ``weights_only`` load may rebuild."""
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (print, ("pwned",))
+
+
+def test_a_refused_object_is_reported_as_such_not_as_a_damaged_copy(tmp_path: Path) -> None:
+    """A load that refuses an object (weights_only) fails with that error at once: it is not
+    the store's fault, so it is never set aside as a damaged copy, sent to another tier, or
+    answered with an older save."""
+    tiers = Tiers([f"lmdb://{tmp_path / 'local'}"])
+    dcp.save({"x": torch.ones(2)}, storage_writer=tiers.writer(), checkpoint_id="older")
+    dcp.save(
+        {"x": torch.ones(2), "obj": _Unlisted()},
+        storage_writer=tiers.writer(),
+        checkpoint_id="newest",
+    )
+    with pytest.raises(BaseException, match="weights_only") as info:
+        tiers.restore({"x": torch.zeros(2), "obj": None})
+    assert "DamagedCopyError" not in str(info.value) and "NotHeldError" not in str(info.value)
+    tiers.close()
