@@ -63,7 +63,7 @@ from .holdings import held_items, item_order
 from .node import node_id
 from .peer_copy import DEFAULT_BUDGET
 from .reader import KVStorageReader, _ItemRead, fetch_parts
-from .routes import Holdings, Route, plan_routes
+from .routes import Holdings, Route, StepPairs, Steps, plan_routes
 from .stores import open_store
 
 logger = logging.getLogger(__name__)
@@ -74,32 +74,6 @@ LOCAL, PEERS, SENT = "local", "peers", "sent"
 
 #: Errors that say nothing about the store read: raised at once, never sent to the next tier.
 _NOT_THE_STORES = (UnsafeObjectError, ShapeMismatchError)
-
-
-@dataclass
-class _StepPairs:
-    """A route's (item, rank) pairs of one step of the exchange."""
-
-    send: list[tuple[int, int]] = field(default_factory=list)
-    receive: list[tuple[int, int]] = field(default_factory=list)
-    relay: list[tuple[int, int]] = field(default_factory=list)
-    relayed: list[tuple[int, int]] = field(default_factory=list)
-
-
-class _Steps:
-    """A route's pairs grouped by step, once."""
-
-    def __init__(self, route: Route) -> None:
-        step_of = dict(route.step_of)
-        self._steps: dict[int, _StepPairs] = defaultdict(_StepPairs)
-        for name in ("send", "receive", "relay", "relayed"):
-            for item, peer in getattr(route, name):
-                getattr(self._steps[step_of[item]], name).append((item, peer))
-        #: the items this rank receives into memory of its own, unless their target takes them
-        self.landing = {item for item, _ in (*route.receive, *route.relayed)}
-
-    def of(self, step: int) -> _StepPairs:
-        return self._steps.get(step, _StepPairs())
 
 
 @dataclass
@@ -201,6 +175,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         self._leases = contextlib.ExitStack()
         self._renewals: list[Callable[[], None]] = []
         self._group: dist.ProcessGroup | None = None
+        self._own_group: dist.ProcessGroup | None = None  # a gloo group over an NCCL job's ranks
         self._indexes: list[MetadataIndex] | None = None
         self._positions: dict[MetadataIndex, int] = {}  # each item's place in ``_items()``
         #: items this node's store failed to serve in this load (damaged, missing)
@@ -344,7 +319,9 @@ class TieredStorageReader(KVStorageBase, StorageReader):
             return self.process_group
         if dist.get_backend() == "gloo":
             return dist.group.WORLD
-        return dist.new_group(backend="gloo")
+        if self._own_group is None:  # once per reader: a load again reuses it
+            self._own_group = dist.new_group(backend="gloo")
+        return self._own_group
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         record = self._record
@@ -445,7 +422,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         sending = {item for item, _ in route.send}
         local_tiers = [] if self._local() is None else [0]
         tiers_of: dict[int, list[int]] = {}
-        steps = _Steps(route)
+        steps = Steps(route)
         # One buffer for every step's items, each step's in turn: the most a step holds. New
         # buffers per step would leave the allocator's freed ones resident besides.
         need: dict[int, int] = defaultdict(int)
@@ -694,7 +671,7 @@ class TieredStorageReader(KVStorageBase, StorageReader):
     def _exchange(
         self,
         record: CheckpointRecord,
-        pairs: _StepPairs,
+        pairs: StepPairs,
         carried: BaseException | None,
         wanted: dict[int, list[ReadItem]],
         tiers_of: dict[int, list[int]],

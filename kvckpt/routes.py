@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -188,3 +188,29 @@ class _Schedule:
     def _fits(self, rank: int, step: int, nbytes: int) -> bool:
         load = self._load.get((rank, step), 0)
         return load == 0 or load + nbytes <= self.budget  # type: ignore[operator]
+
+
+@dataclass
+class StepPairs:
+    """A route's (item, rank) pairs of one step of the exchange."""
+
+    send: list[tuple[int, int]] = field(default_factory=list)
+    receive: list[tuple[int, int]] = field(default_factory=list)
+    relay: list[tuple[int, int]] = field(default_factory=list)
+    relayed: list[tuple[int, int]] = field(default_factory=list)
+
+
+class Steps:
+    """A route's pairs grouped by step, once."""
+
+    def __init__(self, route: Route) -> None:
+        step_of = dict(route.step_of)
+        self._steps: dict[int, StepPairs] = defaultdict(StepPairs)
+        for name in ("send", "receive", "relay", "relayed"):
+            for item, peer in getattr(route, name):
+                getattr(self._steps[step_of[item]], name).append((item, peer))
+        #: the items this rank receives into memory of its own, unless their target takes them
+        self.landing = {item for item, _ in (*route.receive, *route.relayed)}
+
+    def of(self, step: int) -> StepPairs:
+        return self._steps.get(step, StepPairs())
