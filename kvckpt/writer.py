@@ -13,7 +13,8 @@ import functools
 import io
 import logging
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future as Future_
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from .catalog import (
     renew_lease,
     tidy_remote_store,
 )
-from .engines.base import Engine
+from .engines.base import Engine, Hasher
 from .errors import (
     KVCheckpointError,
     SaveAbandonedError,
@@ -63,7 +64,7 @@ from .format import (
 )
 from .manage import NEVER, discard_save, list_checkpoints, preflight
 from .manage import gc as collect_garbage  # not the standard library's gc
-from .node import node_id
+from .node import node_id, spare_cores
 from .staging import accelerator_available, advise_huge_pages
 from .stores import open_store
 
@@ -154,18 +155,58 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
+#: The stores (by URL) whose saves in this process hash on a worker thread, though their
+#: engine can hash as it sends: a save measured its inline hashing above ``_HASH_ASIDE_ABOVE``
+#: of its write time, with a core to spare (``_Checksums.learn``).
+_HASH_ASIDE: set[str] = set()
+_HASH_ASIDE_ABOVE = 0.10
+
+
+class _TimedHashes:
+    """A factory of streaming hashes, as ``new_checksum``, that adds up the time they hash."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __call__(self) -> _TimedHash:
+        return _TimedHash(self)
+
+
+class _TimedHash:
+    def __init__(self, owner: _TimedHashes) -> None:
+        self._owner = owner
+        self._hash = new_checksum()
+
+    def update(self, data: memoryview | bytes) -> None:
+        started = time.perf_counter()
+        self._hash.update(data)
+        self._owner.seconds += time.perf_counter() - started
+
+    def intdigest(self) -> int:
+        return self._hash.intdigest()
+
+
 class _Checksums:
     """How a save records a checksum per value: not at all; by the engine, as it sends each
     value (``hashes_while_writing``: cache-hot, one pass over memory); or on a worker thread
     while the engine sends, for large parts (xxhash releases the GIL), inline for small ones,
-    where a hand-off costs more."""
+    where a hand-off costs more.
+
+    Which of the last two costs a save less depends on the CPU (how fast it hashes against how
+    fast the engine sends) and on whether a core is free, so it is measured, not assumed: an
+    engine that hashes inline on its sending thread (``Engine.hashes_inline``) times its
+    hashing, and where that took more than a tenth of the save's write and this node has a core
+    to spare, the later saves to that store in this process hash on a worker thread."""
 
     def __init__(self, engine: Engine, enabled: bool) -> None:
-        in_engine = enabled and engine.hashes_while_writing
+        in_engine = enabled and engine.hashes_while_writing and engine.url not in _HASH_ASIDE
         self._digests: dict[int, int | None] = {}
         #: what ``put_many`` gets: where the engine hashes, where to report its digests
         self.on_value = self._digests.__setitem__ if in_engine else None
-        self.hasher = new_checksum if in_engine else None
+        self._timed = _TimedHashes() if in_engine and engine.hashes_inline else None
+        self.hasher: Callable[[], Hasher] | None = (
+            (self._timed or new_checksum) if in_engine else None
+        )
         self._pool = ThreadPoolExecutor(1) if enabled and not in_engine else None
         self._hashes: list[list[Future_[int] | int]] = []
 
@@ -208,6 +249,21 @@ class _Checksums:
             out.append(_with_checksums(wr, sums))  # type: ignore[arg-type]
             i += count
         return out
+
+    def learn(self, engine: Engine, write_seconds: float) -> None:
+        """After a save's write: where hashing inline took more than its share of the write
+        and a core is free, later saves to this store hash on a worker thread instead."""
+        if self._timed is None or write_seconds <= 0:
+            return
+        share = self._timed.seconds / write_seconds
+        if share > _HASH_ASIDE_ABOVE and spare_cores() >= 1:
+            _HASH_ASIDE.add(engine.url)
+            logger.info(
+                "kvckpt: hashing as it sent took %.0f%% of a save's write to %s; later saves "
+                "there hash on a worker thread",
+                100 * share,
+                engine.url,
+            )
 
     def close(self) -> None:
         if self._pool is not None:
@@ -444,7 +500,9 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
             # Sized for every save the store will hold before this one writes: growing the
             # map after it would drop the pages it just mapped (LMDB).
             self.engine.get_ready(planned, self._saves_held())
+            started = time.perf_counter()
             self._write(checkpoint_id, plan, planner, where, renew, sums, results)
+            sums.learn(self.engine, time.perf_counter() - started)
             self.engine.sync_replicas()
             self.engine.get_ready(sum(wr.size_in_bytes for wr in results), self._saves_held())
             results[:] = sums.recorded(results, self.engine.url)

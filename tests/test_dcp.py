@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import time
 
 import pytest
 import torch
@@ -570,3 +571,60 @@ def test_writer_reused_with_cache_staged_state_dict_on_a_cpu_host(store_url: str
     assert writer.state_dict_cache["w"].is_pinned() == accelerator_available()
     assert [c.checkpoint_id for c in list_checkpoints(store_url)] == ["s3", "s2"]
     assert_each_holds_its_step(store_url, (2, 3))
+
+
+class _SlowHash:
+    """xxh3 as kvckpt records it, slowed down: a CPU that hashes slowly for how fast it sends."""
+
+    def __init__(self) -> None:
+        import xxhash
+
+        self._hash = xxhash.xxh3_64()
+
+    def update(self, data) -> None:  # type: ignore[no-untyped-def]
+        time.sleep(0.01)
+        self._hash.update(data)
+
+    def intdigest(self) -> int:
+        return self._hash.intdigest()
+
+
+def test_a_redis_save_that_hashes_slowly_as_it_sends_hashes_on_a_thread_next_time(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where hashing inline took more than a tenth of a save's write and a core is free, the
+    next saves to that store hash on a worker thread: the same checksums, checked on load."""
+    from kvckpt import writer
+
+    monkeypatch.setattr(writer, "new_checksum", _SlowHash)
+    monkeypatch.setattr(writer, "spare_cores", lambda: 1)
+    monkeypatch.setattr(writer, "_HASH_ASIDE", set())
+    sd = {f"w{i}": torch.randn(256, 256) for i in range(4)}
+    save(sd, redis_url, cid="first")
+    assert open_store(redis_url).url in writer._HASH_ASIDE  # measured: too slow inline
+    sums = writer._Checksums(open_store(redis_url), True)
+    assert sums.on_value is None and sums._pool is not None  # hashed on a worker thread
+    sums.close()
+    save(sd, redis_url, cid="second")
+    for cid in ("first", "second"):
+        record = KVStorageReader(redis_url, checkpoint_id=cid).read_record()
+        assert all(loc.checksums is not None for loc in record.locations.values())
+        out = load({k: torch.zeros(256, 256) for k in sd}, redis_url, cid=cid)
+        assert all(torch.equal(out[k], sd[k]) for k in sd)
+    flip_one_byte(redis_url, "second", "w1")
+    with pytest.raises(BaseException, match="does not match the checksum"):
+        load({k: torch.zeros(256, 256) for k in sd}, redis_url, cid="second")
+
+
+def test_a_redis_save_with_no_core_to_spare_keeps_hashing_as_it_sends(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where every core trains, a worker thread would take training's time: slow or not, the
+    hashing stays on the sending thread."""
+    from kvckpt import writer
+
+    monkeypatch.setattr(writer, "spare_cores", lambda: 0)  # no core to hash on
+    monkeypatch.setattr(writer, "new_checksum", _SlowHash)
+    monkeypatch.setattr(writer, "_HASH_ASIDE", set())
+    save({"w": torch.randn(256, 256)}, redis_url)
+    assert set() == writer._HASH_ASIDE

@@ -105,6 +105,10 @@ class Engine(ABC):
       each value as it sends it. Saves that record checksums then leave the hashing to the
       engine; without it they hash on a worker thread, which costs a second pass over memory
       and a core that a Redis server on the same node may need.
+    - ``hashes_inline``: whether that hashing runs on the thread that sends (Redis), so that it
+      adds to the save's time. A save then measures it, and where it took more than a tenth of
+      the write and a core is free, the later saves to the store hash on a worker thread
+      (``kvckpt.writer``). LMDB hashes one value ahead on a thread of its own instead.
     """
 
     max_value_bytes: int = 1 << 30
@@ -114,6 +118,7 @@ class Engine(ABC):
     zero_copy_reads: bool = False
     reuses_values: bool = False
     hashes_while_writing: bool = False
+    hashes_inline: bool = False
     read_leases: bool = True
 
     @property

@@ -298,6 +298,9 @@ class RedisEngine(RedisSettings):
     Every other query option goes to redis-py (``ssl_ca_certs``, ``socket_timeout``, ...).
     """
 
+    # hashes on the one thread that sends: a save measures what that costs it (kvckpt.writer)
+    hashes_inline = True
+
     def __init__(
         self,
         url: str,
