@@ -37,10 +37,8 @@ import platform
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -63,49 +61,13 @@ from restore_scale import (  # noqa: E402
     local_tensor,
     rank_state,
 )
+from timing import AnonPeak  # noqa: E402
 
 from kvckpt import Tiers  # noqa: E402
 from kvckpt.engines.lmdb import close_idle_environments  # noqa: E402
 
 #: a budget this large stands for none: every item of a phase at once
 UNLIMITED = 1 << 50
-
-
-def _rss_anon() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no RssAnon line")
-
-
-class AnonPeak:
-    """The peak of this process's anonymous resident memory over a block, above its level as
-    the block started, sampled every millisecond."""
-
-    def __init__(self) -> None:
-        self.start = self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def __enter__(self) -> AnonPeak:
-        self.start = self.peak = _rss_anon()
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, _rss_anon())
-
-    def __exit__(
-        self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_anon())
-
-    @property
-    def above(self) -> int:
-        return self.peak - self.start
 
 
 def worker(

@@ -82,24 +82,37 @@ def _rss_anon() -> int:
     return 0
 
 
+class AnonPeak:
+    """The peak of this process's anonymous resident memory over a block, above its level as
+    the block started, sampled every millisecond (``above``, once the block is done)."""
+
+    def __init__(self) -> None:
+        self.start = self.peak = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> AnonPeak:
+        self.start = self.peak = _rss_anon()
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.001):
+            self.peak = max(self.peak, _rss_anon())
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_anon())
+
+    @property
+    def above(self) -> int:
+        return max(0, self.peak - self.start)
+
+
 def peak_anon_rss_delta(fn: Callable[[], Any]) -> int:
     """Peak anonymous RSS above the level at the start of ``fn`` (sampled every ms)."""
     gc.collect()
-    base = _rss_anon()
-    peak = base
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, _rss_anon())
-            time.sleep(0.001)
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    try:
+    with AnonPeak() as peak:
         fn()
-    finally:
-        done.set()
-        thread.join()
-    return max(0, max(peak, _rss_anon()) - base)
+    return peak.above

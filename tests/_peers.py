@@ -165,6 +165,16 @@ class _DamagedOnTheWay:
             yield damaged
 
 
+def _save_step_2(tiers: Tiers, world: int) -> str:
+    """Save step-2 and wait for its copies: what ``tiers.wait()`` reported ("" for nothing)."""
+    dcp.save(step_state(world, 2), storage_writer=tiers.writer(), checkpoint_id="step-2")
+    try:
+        tiers.wait()
+    except ReplicationError as e:
+        return str(e)
+    return ""
+
+
 def damaged_copy_worker(
     rank: int, world: int, port: int, root: str, redis_url: str, out: str
 ) -> None:
@@ -176,12 +186,7 @@ def damaged_copy_worker(
     tiers.wait()
     if rank == 0:
         tiers.peer_copies.engine = _DamagedOnTheWay(tiers.peer_copies.engine)
-    dcp.save(step_state(world, 2), storage_writer=tiers.writer(), checkpoint_id="step-2")
-    try:
-        tiers.wait()
-        reported = ""
-    except ReplicationError as e:
-        reported = str(e)
+    reported = _save_step_2(tiers, world)
     tiers.close()
     Path(out, f"damaged.rank{rank}.json").write_text(json.dumps({"reported": reported}))
     _finish()
@@ -256,12 +261,7 @@ def killed_mid_copy_worker(
             raise AssertionError("unreachable")
 
         copier._store = dying  # type: ignore[method-assign]
-    dcp.save(step_state(world, 2), storage_writer=tiers.writer(), checkpoint_id="step-2")
-    try:
-        tiers.wait()
-        reported = ""
-    except ReplicationError as e:
-        reported = str(e)
+    reported = _save_step_2(tiers, world)
     Path(out, f"killed.rank{rank}.json").write_text(json.dumps({"reported": reported}))
     sys.stdout.flush()
     os._exit(0)
