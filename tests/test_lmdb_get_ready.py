@@ -109,6 +109,22 @@ def test_a_new_store_is_sized_before_its_first_save_writes(
     assert shared.env.info()["map_size"] >= 3 * 64 * MIB
 
 
+def test_without_keep_last_the_first_save_does_not_remap_after_it_writes(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no bound on what the store holds, the map is sized before the first save writes
+    with room for the next save too: a remap after the write (before the commit) would cost
+    the save its time and the next save its page mappings."""
+    steps: list[str] = []
+    monkeypatch.setattr(LMDBEngine, "_put_batch", _record(steps, "write", LMDBEngine._put_batch))
+    monkeypatch.setattr(_SharedEnv, "set_mapsize", _record(steps, "remap", _SharedEnv.set_mapsize))
+    url = f"lmdb://{shm_dir}/store?map_size=64MiB"
+    dcp.save(state(64, 0.0), storage_writer=KVStorageWriter(url), checkpoint_id="s0")
+    assert "write" in steps and "remap" not in steps[steps.index("write") :], steps
+    shared = shared_env(shm_dir / "store")
+    assert shared.env.info()["map_size"] >= 2 * 64 * MIB
+
+
 def _record(steps: list[str], name: str, fn: object) -> object:
     def wrapper(*args: object, **kwargs: object) -> object:
         steps.append(name)

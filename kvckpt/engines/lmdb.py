@@ -278,7 +278,10 @@ class LMDBEngine(Engine):
                 target = max(copies * node, end) + slack
             if 3 * target > 2 * map_size:
                 # One step, with room: each remap costs every later save its page mappings.
-                shared.set_mapsize(-(-2 * target // _GIB) * _GIB)
+                # With no bound on what the store holds (no keep_last), room for the next save
+                # too: sized for this one alone, the call after its write would remap at once.
+                room = target if copies is not None else target + node
+                shared.set_mapsize(-(-2 * room // _GIB) * _GIB)
             target = _page_up(min(target, shared.env.info()["map_size"]))
             if shared.populated >= target:
                 return
