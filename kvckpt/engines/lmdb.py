@@ -280,8 +280,8 @@ class LMDBEngine(Engine):
                 # One step, with room: each remap costs every later save its page mappings.
                 # With no bound on what the store holds (no keep_last), room for the next save
                 # too: sized for this one alone, the call after its write would remap at once.
-                room = target if copies is not None else target + node
-                shared.set_mapsize(-(-2 * room // _GIB) * _GIB)
+                sized_for = target if copies is not None else target + node
+                shared.set_mapsize(-(-2 * sized_for // _GIB) * _GIB)
             target = _page_up(min(target, shared.env.info()["map_size"]))
             if shared.populated >= target:
                 return
