@@ -116,7 +116,8 @@ class TieredStorageReader(KVStorageBase, StorageReader):
         checkpoint_id: the checkpoint to load when ``dcp.load`` gets no ``checkpoint_id``.
         created_at: load only the save committed at this time (``kvckpt.Restore.created_at``):
             a tier holding an older save under the same id does not count.
-        process_group: the group the ranks exchange items over. Default: the default group
+        process_group: the group the ranks exchange items over: a gloo group of the ranks
+            ``dcp.load`` runs over (pass the same subgroup to both). Default: the default group
             when its backend is gloo, else a gloo group over the same ranks (the items travel
             in host memory).
         verify: check each value against the checksum recorded at save, on every tier
@@ -352,6 +353,13 @@ class TieredStorageReader(KVStorageBase, StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         record = self._record
         assert record is not None
+        if self._group is not None and len(plans) != dist.get_world_size(self._group):
+            raise KVCheckpointError(
+                f"restoring {record.checkpoint_id!r}: TieredStorageReader exchanges items over "
+                f"a group of {dist.get_world_size(self._group)} ranks, but dcp.load runs over "
+                f"{len(plans)}: pass the group dcp.load runs over to "
+                "TieredStorageReader(process_group=...) too"
+            )
         reports: list[Holdings] = [p.storage_data for p in plans]
         saves = sorted({r.save_id for r in reports})
         if len(saves) > 1:
@@ -724,7 +732,9 @@ class TieredStorageReader(KVStorageBase, StorageReader):
                 else:
                     into = buffer = take(nbytes)
                 if into is not None and nbytes:
-                    ops.append(dist.P2POp(dist.irecv, into, peer, self._group, tag=item))
+                    ops.append(
+                        dist.P2POp(dist.irecv, into, group=self._group, tag=item, group_peer=peer)
+                    )
                 landing[item] = (read, buffer, into)
                 self.stats.peers += nbytes
             return ops
@@ -734,7 +744,9 @@ class TieredStorageReader(KVStorageBase, StorageReader):
             for item, peer in to:
                 tensor = source[item]
                 if tensor is not None and tensor.numel():
-                    ops.append(dist.P2POp(dist.isend, tensor, peer, self._group, tag=item))
+                    ops.append(
+                        dist.P2POp(dist.isend, tensor, group=self._group, tag=item, group_peer=peer)
+                    )
                     self.stats.sent += tensor.numel()
             return ops
 

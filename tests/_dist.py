@@ -274,3 +274,33 @@ def prefetch_two_nodes_worker(
     assert torch.equal(out["w"], torch.full((1 << 18,), 2.0)) and out["step"] == 2
     tiers.close()
     _finish()
+
+
+def subgroup_restore_worker(rank: int, world_size: int, port: int, url: str, out: str) -> None:
+    """Ranks 1 and 2 of 3 load through ``TieredStorageReader`` over a subgroup of their own:
+    with the subgroup passed to the reader too (items exchanged between them, by their ranks
+    in the subgroup), and without (a clear error). Writes what each of the two got."""
+    import json
+
+    from kvckpt.restore import TieredStorageReader
+
+    _init(rank, world_size, port)
+    sub = dist.new_group([1, 2], backend="gloo")
+    if rank in (1, 2):
+        want = {f"w{i}": torch.full((64, 64), float(i)) for i in range(4)}
+        state = {k: torch.zeros(64, 64) for k in want}
+        reader = TieredStorageReader([url], checkpoint_id="whole", process_group=sub)
+        dcp.load(state, storage_reader=reader, process_group=sub)
+        exact = all(torch.equal(state[k], want[k]) for k in want)
+        raised = ""
+        try:
+            dcp.load(
+                state,
+                storage_reader=TieredStorageReader([url], checkpoint_id="whole"),
+                process_group=sub,
+            )
+        except BaseException as e:
+            raised = str(e)
+        with open(os.path.join(out, f"sub.rank{rank}.json"), "w") as f:
+            json.dump({"exact": exact, "peers": reader.stats.peers, "raised": raised}, f)
+    _finish()

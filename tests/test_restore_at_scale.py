@@ -148,3 +148,27 @@ def test_an_error_while_applying_an_exchanged_item_fails_every_rank_never_hangs(
     for rank in range(4):
         raised = json.loads((out / f"refused.rank{rank}.json").read_text())["raised"]
         assert "this planner refuses 'rep2'" in raised, (rank, raised)
+
+
+def test_a_load_over_a_subgroup_exchanges_by_the_subgroup_ranks(
+    tmp_path: Path, redis_server: RedisServer, redis_url: str
+) -> None:
+    """Ranks 1 and 2 of 3 load over a subgroup: each replicated item is read from Redis once
+    and sent to the other, addressed by its rank in the subgroup; a reader not told of the
+    subgroup fails with an error that says to pass it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from kvckpt import KVStorageWriter
+    from tests import _dist
+
+    state = {f"w{i}": torch.full((64, 64), float(i)) for i in range(4)}
+    dcp.save(state, storage_writer=KVStorageWriter(redis_url), checkpoint_id="whole")
+    out = tmp_path / "out"
+    out.mkdir()
+    spawn(_dist.subgroup_restore_worker, 3, redis_url, str(out))
+    for rank in (1, 2):
+        got = json.loads((out / f"sub.rank{rank}.json").read_text())
+        assert got["exact"], (rank, got)
+        assert "pass the group dcp.load runs over" in got["raised"], (rank, got)
+    assert sum(json.loads((out / f"sub.rank{r}.json").read_text())["peers"] for r in (1, 2)) > 0
