@@ -696,23 +696,21 @@ class Tiers:
             try:
                 self._load(state_dict, reader, load_options)
             except CheckpointException as e:
-                not_held = all(isinstance(f, NotHeldError) for f, _ in e.failures.values())
-                if not (not_held and isinstance(reader, TieredStorageReader)):
-                    raise
-                if not reader.distrusted:
-                    raise
                 # Damaged copies left items of this save with no holder: every rank raised
                 # NotHeldError (the reader told them all), so every rank goes back to an
-                # older save.
+                # older save, if there is one.
+                not_held = all(isinstance(f, NotHeldError) for f, _ in e.failures.values())
+                if not (not_held and isinstance(reader, TieredStorageReader) and reader.distrusted):
+                    raise
                 older = self.latest(before=choice.created_at)
-                logger.warning(
-                    "kvckpt restore: no store holds %r whole once its damaged copies are set "
-                    "aside; restoring %s instead",
-                    choice.checkpoint_id,
-                    "nothing" if older is None else repr(older.checkpoint_id),
-                )
                 if older is None:
                     raise
+                logger.warning(
+                    "kvckpt restore: no store holds %r whole once its damaged copies are set "
+                    "aside; restoring %r instead",
+                    choice.checkpoint_id,
+                    older.checkpoint_id,
+                )
                 choice, phase = older, events.Phase("restore", "choose", "", "")
                 continue
             if isinstance(reader, TieredStorageReader):
