@@ -52,16 +52,21 @@ def save(url: str, sd: dict[str, torch.Tensor], checkpoint_id: str, keep: int = 
 def test_retention_keeps_spares_and_the_next_save_writes_over_them(
     redis_server: RedisServer, redis_url: str
 ) -> None:
+    redis_server.client().config_resetstat()
     save(redis_url, state(10, 0.0), "s0")
     assert spares(redis_server) == []
     save(redis_url, state(10, 1.0), "s1")  # drops s0: its values become spares
+    # With no spare to take over, plain SETs (SETRANGE into a new key allocates and zeroes);
+    # the RENAMEs are the retirement of s0's four values.
+    assert commands(redis_server, "setrange") == 0
+    assert commands(redis_server, "rename") == 4
     kept = spares(redis_server)
     assert len(kept) == 3 + 1  # 10 MiB in 4 MiB parts, and the small tensor
     client = redis_server.client()
     assert all(0 < client.ttl(k) <= 900 for k in kept)
-    before = commands(redis_server, "setrange")
     save(redis_url, state(10, 2.0), "s2")  # writes over s0's spares, drops s1
-    assert commands(redis_server, "setrange") - before == 3  # the three large parts
+    assert commands(redis_server, "setrange") == 3  # the three large parts
+    assert commands(redis_server, "rename") == 4 + 3 + 4  # s0 retired, 3 taken over, s1 retired
     assert [c.checkpoint_id for c in list_checkpoints(redis_url)] == ["s2"]
     assert_equal(load(redis_url, "s2", state(10, 2.0)), state(10, 2.0))
     # The new checkpoint's values took the spares over without their expiry.
@@ -142,3 +147,16 @@ def test_preflight_counts_spares_as_room(
     assert len(asked) == 2 and asked[1] <= 1 * MIB < asked[0]
     monkeypatch.undo()
     assert_equal(load(redis_url, "p2", state(8, 2.0)), state(8, 2.0))
+
+
+def test_only_the_values_with_a_spare_take_one_over(
+    redis_server: RedisServer, redis_url: str
+) -> None:
+    redis_server.client().config_resetstat()
+    save(redis_url, state(5, 0.0), "s0")
+    save(redis_url, state(5, 1.0), "s1")  # s0's values become spares
+    grown = {**state(5, 2.0), "new": torch.rand(MIB)}  # 4 MiB more, no spare of its own
+    save(redis_url, grown, "s2")
+    assert commands(redis_server, "setrange") == 2  # "big"'s two parts
+    out = load(redis_url, "s2", grown)
+    assert_equal(out, grown)

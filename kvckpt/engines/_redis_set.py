@@ -33,10 +33,13 @@ class SetPipeline:
     ``pipeline_bytes``.
 
     Small values are framed together into one buffer; a large value is sent straight from the
-    caller's memory (hashed piece by piece as it goes, where asked). A value with a spare takes
-    the spare over (``RENAME``, ``PERSIST``) and is written into its memory (``SETRANGE key
-    0``); a spare of another size is replaced by a ``SET``. Every command here is idempotent,
-    so a batch cut by a dropped connection is sent again whole."""
+    caller's memory (hashed piece by piece as it goes, where asked). A value whose spare exists
+    (asked with ``EXISTS`` before each batch is framed) takes the spare over (``RENAME``,
+    ``PERSIST``) and is written into its memory (``SETRANGE key 0``); a spare of another size
+    is replaced by a ``SET``. Where there is no spare, a plain ``SET``: the server keeps the
+    value's receive buffer as the value, while ``SETRANGE`` into a new key allocates, zeroes
+    and copies. Every command here is idempotent, so a batch cut by a dropped connection is
+    sent again whole."""
 
     def __init__(
         self,
@@ -49,6 +52,8 @@ class SetPipeline:
         self.conn = conn
         self.on_value = on_value
         self.hasher = hasher
+        self.queued: list[tuple[int, str, memoryview, str | None]] = []
+        self.queued_bytes = 0
         self._start_batch()
 
     def _start_batch(self) -> None:
@@ -56,13 +61,32 @@ class SetPipeline:
         self.hashed: dict[int, int] = {}  # position in pieces -> value index, hashed as sent
         self.small = bytearray()
         self.sent: list[tuple[str, memoryview, bool]] = []  # key, value, whether a take-over
-        self.batch_bytes = 0
 
     def add(self, i: int, key: str, view: memoryview, spare: str | None) -> None:
-        """Queue value ``i`` (sending the batch once it is full)."""
+        """Queue value ``i``, to take over ``spare`` where it exists (sending the batch once it
+        is full)."""
+        self.queued.append((i, key, view, spare))
+        self.queued_bytes += view.nbytes
+        if self.queued_bytes >= self.engine.pipeline_bytes or len(self.queued) >= MAX_PIPELINE_KEYS:
+            self.flush()
+
+    def _existing_spares(self) -> set[str]:
+        """The queued values' spares that exist, in one round trip."""
+        spares = [spare for _, _, _, spare in self.queued if spare is not None]
+        if not spares:
+            return set()
+
+        def ask() -> set[str]:
+            frames = b"".join(command(b"EXISTS", s.encode()) for s in spares)
+            self.conn.send_packed_command([frames], check_health=False)
+            return {s for s in spares if self.conn.read_response()}
+
+        return retry(self.conn, ask)
+
+    def _frame(self, i: int, key: str, view: memoryview, take_over: str | None) -> None:
         k = key.encode()
-        if spare is not None:
-            self.small += command(b"RENAME", spare.encode(), k) + command(b"PERSIST", k)
+        if take_over is not None:
+            self.small += command(b"RENAME", take_over.encode(), k) + command(b"PERSIST", k)
             self.small += command_header(b"SETRANGE", k, b"0", value_nbytes=view.nbytes)
         else:
             self.small += command_header(b"SET", k, value_nbytes=view.nbytes)
@@ -80,16 +104,19 @@ class SetPipeline:
             self.pieces.append(view)  # sent straight from the caller's memory
             self.small = bytearray()
         self.small += b"\r\n"
-        self.sent.append((key, view, spare is not None))
-        self.batch_bytes += view.nbytes
-        if self.batch_bytes >= self.engine.pipeline_bytes or len(self.sent) >= MAX_PIPELINE_KEYS:
-            self.flush()
+        self.sent.append((key, view, take_over is not None))
 
     def flush(self) -> None:
         """Send the queued batch and read its replies."""
+        if not self.queued:
+            return
+        existing = self._existing_spares()
+        for i, key, view, spare in self.queued:
+            self._frame(i, key, view, spare if spare in existing else None)
         if self.small:
             self.pieces.append(self.small)
         retry(self.conn, self._exchange)
+        self.queued, self.queued_bytes = [], 0
         self._start_batch()
 
     def _stream(self) -> Iterator[BytesLike]:
