@@ -28,7 +28,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from baselines import RawRedis, raw_lmdb_put_steady
 from store_mode import new_store_save_times, steady_save
-from timing import Cases, peak_anon_rss_delta, settle, take_turns, timed
+from timing import Cases, peak_anon_rss_delta, rounds_for, settle, take_turns, timed
 from workload import MIB, check, make_state_dict, nbytes, tensor_parts, zero, zeros_like
 
 import kvckpt
@@ -300,6 +300,7 @@ class Bench:
                 "kv_lmdb_load_noverify": (load(verify=False), lambda: zero(dest)),
             },
             after=lambda: check(self.sd, dest),
+            repeats=3 * self.reps,  # the checksum cost: a difference of a few milliseconds
         )
         close_idle_environments()
         shutil.rmtree(steady.removeprefix("lmdb://"))
@@ -324,6 +325,7 @@ class Bench:
                 "kv_redis_unix_load": (self.kv_load(self.unix_url), lambda: zero(dest)),
             },
             after=lambda: check(self.sd, dest),
+            repeats=3 * self.reps,  # the checksum cost, as for LMDB's loads
         )
         self.client.flushall()
 
@@ -379,7 +381,7 @@ class Bench:
         writers = _AsyncWriters(self)
         blocked: dict[str, list[float]] = {name: [] for name in writers.cases}
         names = list(writers.cases)
-        for r in range(self.reps):
+        for r in range(rounds_for(self.reps, len(names))):
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 make_writer, after_save = writers.cases[name]
                 writer = make_writer()

@@ -36,12 +36,20 @@ def timed(
     return times
 
 
+def rounds_for(repeats: int, cases: int) -> int:
+    """``repeats`` rounded up to whole rotations: with each round starting one case further
+    along, every case then runs once in every place of the round, the first (after whatever
+    ran before) included, as often as every other case."""
+    return -(-max(1, repeats) // cases) * cases
+
+
 def take_turns(
     cases: Cases, repeats: int, after: Callable[[], Any] | None = None
 ) -> dict[str, list[float]]:
-    """Time ``{name: (fn, setup)}``, one repeat of each case per round, ``repeats`` rounds,
-    each round starting one case further along; ``after()`` (untimed) checks each run's result.
-    Each case starts once the previous one's background work is done (``settle``).
+    """Time ``{name: (fn, setup)}``, one repeat of each case per round, ``repeats`` rounds or
+    more (``rounds_for``), each round starting one case further along; ``after()`` (untimed)
+    checks each run's result. Each case starts once the previous one's background work is done
+    (``settle``).
 
     For cases compared with each other (kvckpt against the raw client, verified against
     unverified loads, the small-tensor round trips): this VM's timings drift and jump during a
@@ -51,7 +59,7 @@ def take_turns(
     """
     times: dict[str, list[float]] = {name: [] for name in cases}
     names = list(cases)
-    for r in range(repeats):
+    for r in range(rounds_for(repeats, len(names))):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             fn, setup = cases[name]
             if setup is not None:
