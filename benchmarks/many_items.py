@@ -41,7 +41,8 @@ from report import markdown_table, write_report
 import kvckpt
 from kvckpt import KVStorageReader, KVStorageWriter
 from kvckpt.engines.lmdb import close_idle_environments
-from kvckpt.format import decode_metadata, meta_key
+from kvckpt.format import decode_metadata
+from kvckpt.keys import meta_key
 from kvckpt.testing import RedisServer
 
 

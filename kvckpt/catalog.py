@@ -27,17 +27,8 @@ from .errors import (
     SaveAbandonedError,
     StoreFullError,
 )
-from .format import (
-    CheckpointRecord,
-    ItemLocation,
-    data_prefix,
-    decode_data_keys,
-    decode_metadata,
-    encode_metadata,
-    meta_key,
-    meta_prefix,
-    parse_meta_key,
-)
+from .format import CheckpointRecord, decode_data_keys, decode_metadata, encode_metadata
+from .keys import ItemLocation, data_prefix, meta_key, meta_prefix, parse_meta_key
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex

@@ -253,7 +253,8 @@ def stats_command(url: str, as_json: bool) -> None:
 def _summaries(engine: Engine, checkpoint_id: str) -> list[dict[str, Any]]:
     """A checkpoint's metadata, decoded without torch (``format.decode_summary``): one for a
     collective save, one per rank for a rank-local one."""
-    from .format import decode_summary, meta_key
+    from .format import decode_summary
+    from .keys import meta_key
     from .urls import validate_name
 
     validate_name(checkpoint_id)
@@ -373,7 +374,7 @@ def _show_keys(
     prefix: str, records: list[dict[str, Any]], summary: dict[str, Any], as_json: bool
 ) -> None:
     """``kvckpt info --keys``: every item of ``records`` and its data keys, in reading order."""
-    from .format import data_prefix, item_keys, part_ranges
+    from .keys import data_prefix, item_keys, part_ranges
 
     items: list[dict[str, Any]] = [
         {

@@ -26,15 +26,8 @@ from .errors import (
     StoreUnavailableError,
     UnwritablePathError,
 )
-from .format import (
-    CheckpointRecord,
-    ItemLocation,
-    checksum,
-    index_name,
-    new_checksum,
-    part_ranges,
-    spare_key,
-)
+from .format import CheckpointRecord, checksum, new_checksum
+from .keys import ItemLocation, index_name, part_ranges, spare_key
 from .manage import discard_save, preflight
 from .reader import KVStorageReader, corrupted, damaged, read_checked
 from .stores import open_store
@@ -202,7 +195,7 @@ class CopyTarget:
 
     checkpoint_id: str
     save_id: str
-    #: Each location's item name in the current format (``format.index_name``), in order.
+    #: Each location's item name in the current format (``keys.index_name``), in order.
     names: Sequence[str]
     #: Record checksums of values whose source recorded none (a destination that records
     #: them by default, as a save there would).

@@ -41,15 +41,8 @@ from .errors import (
     MetadataError,
     UnwritablePathError,
 )
-from .format import (
-    CheckpointRecord,
-    ItemLocation,
-    checksum,
-    chunk_of,
-    chunk_table,
-    index_name,
-    part_ranges,
-)
+from .format import CheckpointRecord, checksum, chunk_of, chunk_table
+from .keys import ItemLocation, index_name, part_ranges
 from .reader import KVStorageReader
 from .safe_load import check_weights_only
 from .stores import open_store

@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from .catalog import peer_meta_prefix
 from .engines.base import Engine
-from .format import CheckpointRecord, decode_metadata, meta_key
+from .format import CheckpointRecord, decode_metadata
+from .keys import meta_key
 from .manage import list_checkpoints
 
 logger = logging.getLogger(__name__)

@@ -34,15 +34,8 @@ from .catalog import (
 )
 from .engines.base import Engine
 from .errors import CheckpointNotFoundError, MetadataError, StoreFullError, StoreNotFoundError
-from .format import (
-    data_prefix,
-    decode_data_keys,
-    decode_metadata,
-    meta_key,
-    parse_meta_key,
-    spare_key,
-    spare_prefix,
-)
+from .format import decode_data_keys, decode_metadata
+from .keys import data_prefix, meta_key, parse_meta_key, spare_key, spare_prefix
 from .stores import open_store
 from .urls import validate_name
 

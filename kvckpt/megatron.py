@@ -88,7 +88,7 @@ except ImportError:  # pragma: no cover - megatron-core >= 0.19
 from .catalog import read_lease
 from .engines.base import Engine
 from .errors import InvalidCheckpointIdError, KVCheckpointError, MetadataError
-from .format import ItemLocation
+from .keys import ItemLocation
 from .manage import remove_items
 from .reader import KVStorageReader, fetch_parts
 from .safe_load import load_object

@@ -67,7 +67,8 @@ from .catalog import (
 )
 from .engines.base import Engine
 from .errors import IntegrityError, ReplicationError
-from .format import ItemLocation, checksum, data_prefix
+from .format import checksum
+from .keys import ItemLocation, data_prefix
 from .node import node_id, run_in_background
 from .placement import Topology
 

@@ -20,7 +20,8 @@ from .choice import Restore, choose_newest, lists_save
 from .copying import copy_values
 from .engines.base import Engine
 from .errors import KVCheckpointError
-from .format import CheckpointRecord, ItemLocation, part_ranges
+from .format import CheckpointRecord
+from .keys import ItemLocation, part_ranges
 from .reader import KVStorageReader
 
 logger = logging.getLogger(__name__)

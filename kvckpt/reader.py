@@ -49,18 +49,8 @@ from .errors import (
     MetadataError,
     ShapeMismatchError,
 )
-from .format import (
-    CheckpointRecord,
-    ItemLocation,
-    checksum,
-    decode_metadata,
-    gc_paused,
-    meta_key,
-    meta_prefix,
-    new_checksum,
-    parse_meta_key,
-    part_ranges,
-)
+from .format import CheckpointRecord, checksum, decode_metadata, gc_paused, new_checksum
+from .keys import ItemLocation, meta_key, meta_prefix, parse_meta_key, part_ranges
 from .safe_load import check_weights_only
 from .stores import open_store
 

@@ -68,11 +68,8 @@ from .errors import (
     ReplicationError,
     UnsafeStoreError,
 )
-from .format import (
-    ItemLocation,
-    part_ranges,
-)
 from .holdings import HeldSave, newest_held_whole
+from .keys import ItemLocation, part_ranges
 from .manage import NEVER, discard_save
 from .manage import gc as collect_garbage  # not the standard library's gc
 from .node import node_id, run_in_background, spare_cores

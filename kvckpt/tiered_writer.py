@@ -18,7 +18,7 @@ from torch.futures import Future as TorchFuture
 
 from .catalog import read_index
 from .engines.base import Engine
-from .format import ItemLocation, meta_key
+from .keys import ItemLocation, meta_key
 from .peer_copy import PeerCopier
 from .writer import KVStorageWriter, SavePlanData
 

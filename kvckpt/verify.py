@@ -17,7 +17,8 @@ from tqdm import tqdm
 from .catalog import read_lease
 from .engines.base import Engine
 from .errors import KVCheckpointError
-from .format import CheckpointRecord, ItemLocation, checksum, part_ranges
+from .format import CheckpointRecord, checksum
+from .keys import ItemLocation, part_ranges
 from .manage import list_checkpoints
 from .reader import KVStorageReader, read_checked
 from .stores import open_store

@@ -52,16 +52,8 @@ from .errors import (
     StoreFullError,
     StoreUnavailableError,
 )
-from .format import (
-    ItemLocation,
-    checksum,
-    gc_paused,
-    index_name,
-    meta_key,
-    new_checksum,
-    part_ranges,
-    spare_key,
-)
+from .format import checksum, gc_paused, new_checksum
+from .keys import ItemLocation, index_name, meta_key, part_ranges, spare_key
 from .manage import NEVER, discard_save, list_checkpoints, preflight
 from .manage import gc as collect_garbage  # not the standard library's gc
 from .node import node_id, spare_cores
@@ -640,7 +632,7 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         a whole, pending entry and write lease included, so it is not listed as incomplete
         until the next ``gc``; in another node's store, this rank's data goes. Data other ranks
         still write afterwards is an orphan that ``gc`` removes."""
-        from .format import data_prefix
+        from .keys import data_prefix
 
         registered = where.coordinator_store in (None, _store_identity(self.engine))
         try:

@@ -36,7 +36,8 @@ from kvckpt.errors import (
     SaveAbandonedError,
     StoreUnavailableError,
 )
-from kvckpt.format import data_prefix, decode_metadata, decode_summary, meta_key
+from kvckpt.format import decode_metadata, decode_summary
+from kvckpt.keys import data_prefix, meta_key
 from kvckpt.manage import gc
 from kvckpt.testing import RedisServer
 

@@ -25,7 +25,7 @@ from kvckpt import (
     open_store,
 )
 from kvckpt.catalog import index_key, lease_key
-from kvckpt.format import data_prefix, meta_key
+from kvckpt.keys import data_prefix, meta_key
 from kvckpt.testing import RedisClusterProcesses
 from kvckpt.verify import verify
 from tests import _dist

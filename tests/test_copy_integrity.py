@@ -31,7 +31,7 @@ from kvckpt import (
 from kvckpt.catalog import read_index
 from kvckpt.copying import copy_checkpoint
 from kvckpt.dcp_files import export_checkpoint, import_checkpoint, torch_save_checkpoint
-from kvckpt.format import data_prefix
+from kvckpt.keys import data_prefix
 from kvckpt.verify import verify
 
 from ._cli import run

@@ -20,7 +20,7 @@ from kvckpt import (
     open_store,
 )
 from kvckpt.catalog import read_index
-from kvckpt.format import data_prefix
+from kvckpt.keys import data_prefix
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -20,7 +20,8 @@ from kvckpt import (
     list_checkpoints,
     open_store,
 )
-from kvckpt.format import FORMAT_VERSION, meta_key
+from kvckpt.format import FORMAT_VERSION
+from kvckpt.keys import meta_key
 from kvckpt.staging import accelerator_available
 from tests._errors import load_fails
 

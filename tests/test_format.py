@@ -21,17 +21,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from kvckpt import MetadataError, UnsupportedFormatVersionError
-from kvckpt.format import (
-    DTYPES,
-    ItemLocation,
-    data_prefix,
-    decode_data_keys,
-    decode_metadata,
-    encode_metadata,
-    meta_key,
-    parse_meta_key,
-    part_ranges,
-)
+from kvckpt.format import DTYPES, decode_data_keys, decode_metadata, encode_metadata
+from kvckpt.keys import ItemLocation, data_prefix, meta_key, parse_meta_key, part_ranges
 
 SAVE_ID = "0123456789abcdef0123456789abcdef"
 

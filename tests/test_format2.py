@@ -30,18 +30,13 @@ from kvckpt.copying import copy_checkpoint
 from kvckpt.dcp_files import export_checkpoint
 from kvckpt.format import (
     FORMAT_VERSION,
-    ITEM_NAME,
-    MAX_ITEM_NAME,
     MAX_PARTS,
     MAX_RANKS,
-    ItemLocation,
     decode_data_keys,
     decode_metadata,
     encode_metadata,
-    index_name,
-    item_name,
-    spare_key,
 )
+from kvckpt.keys import ITEM_NAME, MAX_ITEM_NAME, ItemLocation, index_name, item_name, spare_key
 from kvckpt.verify import read_items, verify
 from tests.fixtures.make_format1 import state
 from tests.test_dcp import assert_bit_equal, zeros_like_sd

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvckpt import KVStorageReader, KVStorageWriter, open_store
-from kvckpt.format import meta_key
+from kvckpt.keys import meta_key
 
 _STORE = tempfile.mkdtemp(prefix="kvckpt-hostile-")
 URL = f"lmdb://{_STORE}"

@@ -21,7 +21,7 @@ from kvckpt import (
     open_store,
 )
 from kvckpt.catalog import index_key, mark_pending, read_index
-from kvckpt.format import data_prefix, spare_prefix
+from kvckpt.keys import data_prefix, spare_prefix
 from kvckpt.testing import RedisServer
 from kvckpt.verify import verify
 
@@ -220,7 +220,7 @@ def test_keep_last_reaches_the_other_nodes_lmdb_stores(tmp_path) -> None:  # typ
     # on that store (which holds no metadata) leaves the data it still needs alone.
 
     from kvckpt.catalog import read_index
-    from kvckpt.format import data_prefix
+    from kvckpt.keys import data_prefix
     from tests import _dist
     from tests._spawn import spawn
 

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from kvckpt import Tiers, open_store
 from kvckpt.catalog import PEER, read_index
-from kvckpt.format import data_prefix
+from kvckpt.keys import data_prefix
 from kvckpt.placement import Topology, covered
 from kvckpt.testing import RedisServer, free_port
 from tests import _peers

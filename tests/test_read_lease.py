@@ -24,7 +24,7 @@ from kvckpt import (
     open_store,
 )
 from kvckpt.catalog import read_index, release_read_lease, take_read_lease
-from kvckpt.format import data_prefix
+from kvckpt.keys import data_prefix
 
 
 def state(value: float) -> dict[str, torch.Tensor]:

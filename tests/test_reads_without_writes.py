@@ -38,7 +38,7 @@ from kvckpt import (
     open_store,
 )
 from kvckpt.catalog import mark_pending, read_index, readers_key
-from kvckpt.format import data_prefix
+from kvckpt.keys import data_prefix
 from kvckpt.manage import discard_save
 from kvckpt.testing import RedisServer
 from tests._cli import ROOT, run

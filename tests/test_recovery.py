@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 import kvckpt
 from kvckpt import KVStorageReader, KVStorageWriter, Tiers, list_checkpoints, open_store
 from kvckpt.catalog import read_index
-from kvckpt.format import data_prefix
+from kvckpt.keys import data_prefix
 from tests import _dist
 from tests._spawn import spawn
 

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 from kvckpt import KVStorageReader, KVStorageWriter, Tiers, gc, list_checkpoints, open_store
 from kvckpt.errors import StoreFullError
-from kvckpt.format import spare_prefix
+from kvckpt.keys import spare_prefix
 from kvckpt.testing import RedisServer
 
 MIB = 1 << 20

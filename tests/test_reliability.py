@@ -21,7 +21,7 @@ from kvckpt import (
     open_store,
 )
 from kvckpt.errors import StoreFullError
-from kvckpt.format import data_prefix, meta_key
+from kvckpt.keys import data_prefix, meta_key
 
 MIB = 1 << 20
 

@@ -20,7 +20,7 @@ from kvckpt import (
     open_store,
 )
 from kvckpt.catalog import lease_key
-from kvckpt.format import data_prefix
+from kvckpt.keys import data_prefix
 from kvckpt.testing import RedisServer
 
 

@@ -22,7 +22,7 @@ from kvckpt import (
     open_store,
 )
 from kvckpt.catalog import read_index
-from kvckpt.format import data_prefix
+from kvckpt.keys import data_prefix
 from kvckpt.testing import RedisServer
 from tests import _dist
 from tests._spawn import spawn
