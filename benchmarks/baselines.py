@@ -1,12 +1,16 @@
 """The baselines ``benchmarks/run.py`` measures kvckpt against, with no kvckpt around them:
-the smallest pipelined Redis client, LMDB's own put, and glibc's memcpy of the same parts."""
+the smallest pipelined Redis client, LMDB's own put, glibc's memcpy of the same parts, and the
+two ways of writing them into new memory (``NewFileWrites``)."""
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+import mmap
+import os
 import shutil
 import socket
+import threading
 from pathlib import Path
 
 import lmdb
@@ -146,3 +150,85 @@ def memcpy_times(sd: dict[str, torch.Tensor], part: int, repeats: int) -> list[f
         if not torch.equal(t, dest[name]):
             raise AssertionError(f"memcpy differs at {name}")
     return times
+
+
+class NewFileWrites:
+    """The two ways of writing a state dict's bytes into memory the kernel has to allocate, with
+    no checkpointing library around them, each into a new file on a tmpfs (the previous one
+    deleted just before, as the first saves' cases do):
+
+    - ``write_t2``: two threads, each ``pwrite``-ing half of the parts into a file of its own
+      (DCP's ``FileSystemWriter`` with two threads, less its serialization and planning): the
+      kernel allocates each page inside ``write`` and copies into it.
+    - ``map_copy_t2``: one file, memory-mapped, its pages mapped in on two threads with
+      ``MADV_POPULATE_WRITE`` (the kernel allocates, zeroes and maps each page), then the parts
+      copied in on one thread (an LMDB store's first save, less LMDB).
+    """
+
+    def __init__(self, sd: dict[str, torch.Tensor], directory: Path, part: int) -> None:
+        self.parts = [v for _, v in tensor_parts(sd, part)]
+        self.size = sum(p.nbytes for p in self.parts)
+        self.directory = directory
+        self.files: list[Path] = []
+        self.turn = itertools.count()
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def next_files(self) -> None:
+        for old in self.files:
+            old.unlink(missing_ok=True)
+        n = next(self.turn)
+        self.files = [self.directory / f"f{n}.{i}" for i in range(2)]
+
+    def drop(self) -> None:
+        self.next_files()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def write_t2(self) -> None:
+        half, total = [], 0
+        for p in self.parts:  # the first half of the bytes to one thread, the rest to the other
+            if total >= self.size // 2:
+                break
+            half.append(p)
+            total += p.nbytes
+        rest = self.parts[len(half) :]
+
+        def write(path: Path, parts: list[memoryview]) -> None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                offset = 0
+                for p in parts:
+                    done = 0
+                    while done < p.nbytes:
+                        done += os.pwrite(fd, p[done:], offset + done)
+                    offset += p.nbytes
+            finally:
+                os.close(fd)
+
+        other = threading.Thread(target=write, args=(self.files[1], rest))
+        other.start()
+        write(self.files[0], half)
+        other.join()
+
+    def map_copy_t2(self) -> None:
+        path = self.files[0]
+        with open(path, "w+b") as f:
+            f.truncate(self.size)
+            with mmap.mmap(f.fileno(), self.size) as mm:
+                base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                page = mmap.PAGESIZE
+                mid = self.size // 2 // page * page
+                pieces = [(base, mid), (base + mid, self.size - mid)]
+                other = threading.Thread(target=libc.madvise, args=(*pieces[1], _POPULATE_WRITE))
+                other.start()
+                libc.madvise(*pieces[0], _POPULATE_WRITE)
+                other.join()
+                view, at = memoryview(mm), 0
+                for p in self.parts:
+                    view[at : at + p.nbytes] = p.cast("B")
+                    at += p.nbytes
+                view.release()
+
+
+_POPULATE_WRITE = 23  # MADV_POPULATE_WRITE, Linux >= 5.14

@@ -26,7 +26,7 @@ import lmdb
 import store_mode
 import torch
 import torch.distributed.checkpoint as dcp
-from baselines import RawRedis, raw_lmdb_put_steady
+from baselines import NewFileWrites, RawRedis, raw_lmdb_put_steady
 from store_mode import new_store_save_times, steady_save
 from timing import Cases, peak_anon_rss_delta, rounds_for, settle, take_turns, timed
 from workload import MIB, check, make_state_dict, nbytes, tensor_parts, zero, zeros_like
@@ -221,7 +221,9 @@ class Bench:
 
     def saves_taking_turns(self) -> None:
         """Every save that a ratio compares, taking turns with its baseline, one repeat of each
-        per round: kvckpt into LMDB and Redis, the raw-socket SET, and DCP's t=1 and t=2.
+        per round: kvckpt into LMDB and Redis, the raw-socket SET, DCP's t=1 and t=2, and the
+        two ways of writing the same bytes into new memory with nothing around them (the
+        ceilings of a first save: ``baselines.NewFileWrites``).
 
         Cases that start from nothing free their previous data just before (a new LMDB store
         after deleting the previous one, FLUSHDB, a new DCP directory after deleting the
@@ -242,6 +244,9 @@ class Bench:
         items = tensor_parts(sd, self.redis_part_bytes())
         thread_hashing = kvckpt.open_store(redis_url)
         thread_hashing.hashes_while_writing = False
+        lmdb_part = int(kvckpt.open_store(steady).max_value_bytes)
+        writes = NewFileWrites(sd, self.scratch / "writes", lmdb_part)
+        maps = NewFileWrites(sd, self.scratch / "maps", lmdb_part)
         dcp_dirs.save_keep1()
         self.record_turns(
             {
@@ -258,8 +263,13 @@ class Bench:
                 "kv_redis_unix_save": (self.kv_save(self.unix_url), flush),
                 "kv_redis_save_steady": (self.steady_save(steady_redis), None),
                 "dcp_fs_shm_save_t1_keep1": (dcp_dirs.save_keep1, None),
+                # writing into new memory with nothing around it, each way (baselines.py)
+                "new_file_write_t2": (writes.write_t2, writes.next_files),
+                "new_file_map_copy_t2": (maps.map_copy_t2, maps.next_files),
             }
         )
+        writes.drop()
+        maps.drop()
         first.drop()
         dcp_dirs.drop()
         self.client.flushall()
