@@ -30,7 +30,8 @@ def machine_line(r: dict[str, Any]) -> str:
 
 def header(r: dict[str, Any], rows: list[Row]) -> str:
     """Where the run ran and whether it passed: the CPU, memcpy's GB/s and LMDB's put ceiling
-    on it, the date and command, and the targets met and missed."""
+    on it, the date and command, the load average as it started, and the targets met and
+    missed."""
 
     def gbps(name: str) -> str:
         return f"{r[name]['gbps']:.2f} GB/s"
@@ -56,7 +57,12 @@ def header(r: dict[str, Any], rows: list[Row]) -> str:
         + (", ".join(memcpy) if memcpy else "not measured in this run"),
         "- LMDB's put ceiling (its own put of the same values into a store that holds the "
         f"previous ones, one write transaction, no kvckpt): {ceiling}",
-        f"- {r['date']}; `{r['command']}`",
+        f"- {r['date']}; `{r['command']}`"
+        + (
+            f"; 1-minute load average {r['loadavg_start']:.2f} at the start"
+            if "loadavg_start" in r
+            else ""
+        ),
         f"- targets: {met}" + ("; not met: " + "; ".join(short) if short else ""),
     ]
     return "\n".join(lines)

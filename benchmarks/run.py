@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
     else:
+        loadavg = os.getloadavg()[0]  # the machine must be otherwise idle: said in the report
         results = bench.run(args)
+        results["loadavg_start"] = loadavg
         results["cpu"] = cpu_name()
         results["machine"] = (
             f"{platform.machine()}, {os.cpu_count()} cores, "
