@@ -219,16 +219,23 @@ class NewFileWrites:
                 libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
                 page = mmap.PAGESIZE
                 mid = self.size // 2 // page * page
-                pieces = [(base, mid), (base + mid, self.size - mid)]
-                other = threading.Thread(target=libc.madvise, args=(*pieces[1], _POPULATE_WRITE))
+                failed: list[int] = []
+
+                def populate(at: int, size: int) -> None:
+                    if libc.madvise(at, size, _POPULATE_WRITE) != 0:
+                        failed.append(ctypes.get_errno())
+
+                other = threading.Thread(target=populate, args=(base + mid, self.size - mid))
                 other.start()
-                libc.madvise(*pieces[0], _POPULATE_WRITE)
+                populate(base, mid)
                 other.join()
-                view, at = memoryview(mm), 0
-                for p in self.parts:
-                    view[at : at + p.nbytes] = p.cast("B")
-                    at += p.nbytes
-                view.release()
+                if failed:  # (Linux < 5.14): the copy below would fault pages in itself
+                    raise OSError(failed[0], "MADV_POPULATE_WRITE failed")
+                with memoryview(mm) as view:
+                    at = 0
+                    for p in self.parts:
+                        view[at : at + p.nbytes] = p.cast("B")
+                        at += p.nbytes
 
 
 _POPULATE_WRITE = 23  # MADV_POPULATE_WRITE, Linux >= 5.14

@@ -52,7 +52,12 @@ def parser() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--size-mib", type=int, default=1024, help="state dict size")
-    p.add_argument("--repeats", type=int, default=5, help="runs per case (median taken)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="runs per case, at least (median taken; cases taking turns run whole rotations)",
+    )
     p.add_argument(
         "--small-tensors",
         type=int,

@@ -40,6 +40,7 @@ def rounds_for(repeats: int, cases: int) -> int:
     """``repeats`` rounded up to whole rotations: with each round starting one case further
     along, every case then runs once in every place of the round, the first (after whatever
     ran before) included, as often as every other case."""
+    cases = max(1, cases)
     return -(-max(1, repeats) // cases) * cases
 
 

@@ -41,8 +41,8 @@ if sys.byteorder != "little":  # pragma: no cover - every platform torch ships f
     raise ImportError("kvckpt stores tensors little-endian and needs a little-endian machine")
 
 # torch is imported by the functions that build or read DCP's objects, not by this module:
-# the key schema, ``decode_data_keys`` and ``decode_summary`` serve the command line's listing,
-# inspecting and deleting, which never need torch.
+# ``decode_data_keys`` and ``decode_summary`` serve the command line's listing, inspecting and
+# deleting (with ``keys.py``), which never need torch.
 if TYPE_CHECKING:
     import torch
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex

@@ -14,7 +14,7 @@ from .base import BytesLike, Hasher, ValueCallback, hashed_pieces
 
 #: Values smaller than this are copied into one send buffer instead of sent on their own.
 COALESCE_BELOW = 64 * 1024
-#: Commands per pipelined batch, at most.
+#: Values per pipelined batch, at most.
 MAX_PIPELINE_KEYS = 4096
 
 
