@@ -18,6 +18,8 @@ import torch
 from timing import timed
 from workload import KIB, MIB, nbytes, tensor_parts, zeros_like
 
+from kvckpt.engines._pages import _populate_write
+
 
 class RawRedis:
     """The smallest pipelined RESP client: SET from the caller's memory, GET into a buffer."""
@@ -214,28 +216,11 @@ class NewFileWrites:
         with open(path, "w+b") as f:
             f.truncate(self.size)
             with mmap.mmap(f.fileno(), self.size) as mm:
-                base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-                libc = ctypes.CDLL(None, use_errno=True)
-                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                page = mmap.PAGESIZE
-                mid = self.size // 2 // page * page
-                failed: list[int] = []
-
-                def populate(at: int, size: int) -> None:
-                    if libc.madvise(at, size, _POPULATE_WRITE) != 0:
-                        failed.append(ctypes.get_errno())
-
-                other = threading.Thread(target=populate, args=(base + mid, self.size - mid))
-                other.start()
-                populate(base, mid)
-                other.join()
-                if failed:  # (Linux < 5.14): the copy below would fault pages in itself
-                    raise OSError(failed[0], "MADV_POPULATE_WRITE failed")
+                # the routine an LMDB store's first save maps its new pages in with
+                if not _populate_write(str(path), 0, self.size, threads=2):
+                    raise OSError("MADV_POPULATE_WRITE failed (Linux >= 5.14 needed)")
                 with memoryview(mm) as view:
                     at = 0
                     for p in self.parts:
                         view[at : at + p.nbytes] = p.cast("B")
                         at += p.nbytes
-
-
-_POPULATE_WRITE = 23  # MADV_POPULATE_WRITE, Linux >= 5.14
