@@ -5,6 +5,7 @@ and whether it met its targets, above the table of every row (``targets.rows``),
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,31 @@ def table(rows: list[Row]) -> str:
     )
 
 
+def cases(results: dict[str, Any]) -> str:
+    """Every case timed: its runs, median, p90 (nearest rank) and slowest run, in seconds, and
+    the median's GB/s: the tails behind the ratios above."""
+
+    def p90(runs: list[float]) -> float:
+        ordered = sorted(runs)
+        return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
+
+    timed = [(k, v) for k, v in results.items() if isinstance(v, dict) and v.get("runs_s")]
+    return markdown_table(
+        ("case", "runs", "median s", "p90 s", "max s", "GB/s (median)"),
+        (
+            (
+                name,
+                str(len(v["runs_s"])),
+                f"{v['median_s']:.3f}",
+                f"{p90(v['runs_s']):.3f}",
+                f"{max(v['runs_s']):.3f}",
+                f"{v['gbps']:.2f}",
+            )
+            for name, v in timed
+        ),
+    )
+
+
 def chart(results: dict[str, Any], path: Path) -> None:
     """Every throughput measured (GB/s, higher is better), kvckpt's in orange."""
     names = [
@@ -125,7 +151,8 @@ def write(out: Path, results: dict[str, Any], rows: list[Row], with_chart: bool)
     write_report(
         out,
         "results",
-        table(rows),
+        f"{table(rows)}\n\nEvery case timed (the tails; `runs_s` in results.json has each run):"
+        f"\n\n{cases(results)}",
         machine_line(results),
         results,
         head=header(results, rows),
