@@ -182,8 +182,8 @@ class NewFileWrites:
         self.files = [self.directory / f"f{n}.{i}" for i in range(2)]
 
     def drop(self) -> None:
-        self.next_files()
         shutil.rmtree(self.directory, ignore_errors=True)
+        self.files = []
 
     def write_t2(self) -> None:
         half, total = [], 0

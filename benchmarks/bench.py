@@ -194,7 +194,7 @@ class Bench:
             times = new_store_save_times(self.sd, self.fresh(self.scratch), gap, self.ids)
             self.record(f"kv_lmdb_new_store_first_{label}", times[:1])
             self.record(f"kv_lmdb_new_store_later_{label}", times[1:])
-        part = int(kvckpt.open_store(self.steady).max_value_bytes)
+        part = self.lmdb_part_bytes()
         self.record(
             "raw_lmdb_put_steady",
             raw_lmdb_put_steady(self.sd, self.fresh(self.scratch), part, max(self.reps, 5)),
@@ -213,7 +213,7 @@ class Bench:
         leaves. They also time glibc's memcpy of the same parts alone: the machine's copy."""
         runs = max(1, self.reps // 3)  # (3 at --repeats 9)
         gap = 1.0 if self.size >= 256 * MIB else 0.0  # (none in a smoke run)
-        part = int(kvckpt.open_store(self.steady).max_value_bytes)
+        part = self.lmdb_part_bytes()
         found = store_mode.children(self.scratch, self.args.size_mib, self.reps, gap, part, runs)
         for name, timings in found.items():
             for key, times in timings.items():
@@ -244,7 +244,7 @@ class Bench:
         items = tensor_parts(sd, self.redis_part_bytes())
         thread_hashing = kvckpt.open_store(redis_url)
         thread_hashing.hashes_while_writing = False
-        lmdb_part = int(kvckpt.open_store(steady).max_value_bytes)
+        lmdb_part = self.lmdb_part_bytes()
         writes = NewFileWrites(sd, self.scratch / "writes", lmdb_part)
         maps = NewFileWrites(sd, self.scratch / "maps", lmdb_part)
         dcp_dirs.save_keep1()
@@ -293,6 +293,9 @@ class Bench:
 
     def redis_part_bytes(self) -> int:
         return int(kvckpt.open_store(self.redis_url).max_value_bytes)
+
+    def lmdb_part_bytes(self) -> int:
+        return int(kvckpt.open_store(self.steady).max_value_bytes)
 
     def lmdb_loads(self) -> None:
         """kvckpt LMDB loads of the steady store's latest checkpoint (saved with checksums, the
