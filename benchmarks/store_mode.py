@@ -68,7 +68,7 @@ def steady_save(
 def child(scratch: Path, size_mib: int, repeats: int, gap: float, part: int) -> dict[str, Any]:
     """One process's timings: the new-store saves 2-10 (``gap`` seconds apart), LMDB's own
     steady put, steady kvckpt saves with checksums and without (taking turns, keep_last=1, as
-    ``Bench.lmdb_save_checksums``), and glibc's memcpy of the same parts."""
+    ``Bench.save_checksums``), and glibc's memcpy of the same parts."""
     sd = make_state_dict(size_mib * MIB)
     base = Path(tempfile.mkdtemp(prefix="store-mode-", dir=scratch))
     ids = (f"c{i}" for i in range(10**9))

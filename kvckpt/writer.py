@@ -188,7 +188,9 @@ class _Checksums:
     fast the engine sends) and on whether a core is free, so it is measured, not assumed: an
     engine that hashes inline on its sending thread (``Engine.hashes_inline``) times its
     hashing, and where that took more than a tenth of the save's write and this node has a core
-    to spare, the later saves to that store in this process hash on a worker thread."""
+    to spare, the later saves to that store in this process hash on a worker thread. A core is
+    spare when neither a training rank (``spare_cores``) nor the store's own server
+    (``Engine.server_on_node``: a Redis on this node) needs it."""
 
     def __init__(self, engine: Engine, enabled: bool) -> None:
         in_engine = enabled and engine.hashes_while_writing and engine.url not in _HASH_ASIDE
@@ -248,7 +250,9 @@ class _Checksums:
         if self._timed is None or write_seconds <= 0:
             return
         share = self._timed.seconds / write_seconds
-        if share > _HASH_ASIDE_ABOVE and spare_cores() >= 1:
+        # a server on this node takes a core of its own while the save sends
+        spare = spare_cores() - (1 if engine.server_on_node else 0)
+        if share > _HASH_ASIDE_ABOVE and spare >= 1:
             _HASH_ASIDE.add(engine.url)
             logger.info(
                 "kvckpt: hashing as it sent took %.0f%% of a save's write to %s; later saves "

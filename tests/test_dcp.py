@@ -598,7 +598,8 @@ def test_a_redis_save_that_hashes_slowly_as_it_sends_hashes_on_a_thread_next_tim
     from kvckpt import writer
 
     monkeypatch.setattr(writer, "new_checksum", _SlowHash)
-    monkeypatch.setattr(writer, "spare_cores", lambda: 1)
+    # two cores no rank trains on; the Redis server of the test, on this node, takes one
+    monkeypatch.setattr(writer, "spare_cores", lambda: 2)
     monkeypatch.setattr(writer, "_HASH_ASIDE", set())
     sd = {f"w{i}": torch.randn(256, 256) for i in range(4)}
     save(sd, redis_url, cid="first")
@@ -629,3 +630,33 @@ def test_a_redis_save_with_no_core_to_spare_keeps_hashing_as_it_sends(
     monkeypatch.setattr(writer, "_HASH_ASIDE", set())
     save({"w": torch.randn(256, 256)}, redis_url)
     assert set() == writer._HASH_ASIDE
+
+
+def test_a_redis_server_on_this_node_takes_the_core_a_save_would_hash_on(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one core no rank trains on is the local Redis server's while a save sends: the
+    hashing stays on the sending thread, however slow."""
+    from kvckpt import writer
+
+    assert open_store(redis_url).server_on_node
+    monkeypatch.setattr(writer, "spare_cores", lambda: 1)
+    monkeypatch.setattr(writer, "new_checksum", _SlowHash)
+    monkeypatch.setattr(writer, "_HASH_ASIDE", set())
+    save({"w": torch.randn(256, 256)}, redis_url)
+    assert set() == writer._HASH_ASIDE
+
+
+@pytest.mark.parametrize(
+    ("url", "on_node"),
+    [
+        ("redis://localhost:6379/0", True),
+        ("redis://127.0.0.1:6379/0", True),
+        ("redis://[::1]:6379/0", True),
+        ("unix:///run/redis.sock", True),
+        ("redis://10.0.0.7:6379/0", False),
+        ("redis://cache.internal:6379/0", False),
+    ],
+)
+def test_a_redis_engine_knows_whether_its_server_is_on_this_node(url: str, on_node: bool) -> None:
+    assert open_store(url).server_on_node is on_node

@@ -41,10 +41,16 @@ class Hasher(Protocol):
 ValueCallback = Callable[[int, int | None], None]
 
 #: Pieces hashed just before they go to a socket, which then reads them from the CPU cache.
-_HASH_PIECE = 256 * 1024
-#: Pieces copied and then hashed while still in the CPU's cache (1 MiB measured cheaper than
-#: 256 KiB, whose per-piece overhead in Python, held under the GIL, serialized two threads).
-_COPY_HASH_PIECE = 1 << 20
+#: A piece fits in a core's L2 (1 MiB and more on current x86 server cores), and the socket
+#: takes it in one ``sendall``: on loopback a send costs the kernel about as much per call as
+#: per byte, and 256 KiB pieces made a save to a local Redis send slower by a fifth
+#: (``benchmarks/run.py``: the Redis save's checksum cost).
+_HASH_PIECE = 1024 * 1024
+#: Pieces copied and then hashed while still in the CPU's cache. A piece and its source fit
+#: in a core's L2 (1 MiB and more of it on current x86 server cores); smaller pieces cost
+#: more in Python's per-piece overhead, held under the GIL, than they save
+#: (``benchmarks/run.py``'s verified and unverified loads measure the difference).
+_COPY_HASH_PIECE = 512 * 1024
 
 
 def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher) -> int:
@@ -109,6 +115,9 @@ class Engine(ABC):
       adds to the save's time. A save then measures it, and where it took more than a tenth of
       the write and a core is free, the later saves to the store hash on a worker thread
       (``kvckpt.writer``). LMDB hashes one value ahead on a thread of its own instead.
+    - ``server_on_node``: whether the store's server runs on this node (a Redis on loopback or
+      a Unix socket), where it takes a core of its own while a save writes: that core is not
+      free to hash on.
     """
 
     max_value_bytes: int = 1 << 30
@@ -119,6 +128,7 @@ class Engine(ABC):
     reuses_values: bool = False
     hashes_while_writing: bool = False
     hashes_inline: bool = False
+    server_on_node: bool = False
     read_leases: bool = True
 
     @property

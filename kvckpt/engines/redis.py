@@ -20,6 +20,7 @@ Why these choices:
 from __future__ import annotations
 
 import functools
+import ipaddress
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -172,6 +173,16 @@ def _retried(method: Callable[..., T]) -> Callable[..., T]:
         raise AssertionError("unreachable")
 
     return wrapper
+
+
+def _loopback(host: str | None) -> bool:
+    """Whether ``host`` names this node's loopback interface (a server on this node)."""
+    if host is None or host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: resolving it here would cost a lookup per engine
+        return False
 
 
 def _has_password(url: str) -> bool:
@@ -342,6 +353,7 @@ class RedisEngine(RedisSettings):
             self.address = parts.path
         else:
             self.address = f"{parts.hostname or 'localhost'}:{parts.port or 6379}"
+        self.server_on_node = parts.scheme == "unix" or _loopback(parts.hostname)
 
     @classmethod
     def from_url(cls, url: str) -> RedisEngine:
