@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 from kvckpt import KVStorageReader, KVStorageWriter, Tiers, gc, list_checkpoints, open_store
 from kvckpt.errors import StoreFullError
-from kvckpt.keys import spare_prefix
+from kvckpt.keys import data_prefix, spare_prefix
 from kvckpt.testing import RedisServer
 
 MIB = 1 << 20
@@ -160,3 +160,25 @@ def test_only_the_values_with_a_spare_take_one_over(
     assert commands(redis_server, "setrange") == 2  # "big"'s two parts
     out = load(redis_url, "s2", grown)
     assert_equal(out, grown)
+
+
+def test_a_value_of_the_default_part_size_takes_no_more_server_memory_than_its_bytes(
+    redis_server: RedisServer, redis_url: str
+) -> None:
+    """redis-server rounds each value's allocation (its bytes and a string header) up to
+    jemalloc's next size class: values of exactly 4 MiB would take 5 MiB each. The default
+    part is 64 bytes under, and fills a 4 MiB allocation."""
+    part = open_store(redis_url).max_value_bytes
+    assert part == 4 * MIB - 64
+    save(redis_url, state(10, 0.0), "s0")  # 10 MiB: two full parts and a partial one
+    client = redis_server.client()
+    sizes = {}
+    for key in client.scan_iter(match=data_prefix("kvckpt", "s0") + "*"):
+        n = client.strlen(key)
+        if n == part:
+            sizes[key] = client.memory_usage(key, samples=0)
+    assert len(sizes) == 2
+    assert all(usage <= 4 * MIB + 256 for usage in sizes.values()), sizes
+    # the same value at exactly 4 MiB takes the next size class
+    client.set("whole", b"\0" * (4 * MIB))
+    assert client.memory_usage("whole", samples=0) > 4.5 * MIB

@@ -11,7 +11,8 @@ Why these choices:
   into fresh memory before the socket drains it, which more than halves load speed
   (``benchmarks/redis_ceiling.py --read-ahead-mib``) and holds that much server memory per reader.
 - A Redis server closes the connection on a value over 512 MiB (``proto-max-bulk-len``), so the
-  engine advertises ``max_value_bytes`` (4 MiB by default, at most 512 MiB) and the format
+  engine advertises ``max_value_bytes`` (4 MiB less 64 bytes by default, at most 512 MiB: a
+  value of exactly 4 MiB would take 5 MiB of the server's memory) and the format
   layer splits items.
 - The commit is ``WATCH``/``MULTI``/``EXEC`` on keys that share a hash tag, so it stays one
   atomic transaction on Redis Cluster too.
@@ -76,6 +77,10 @@ _MIB = 1 << 20
 #: Redis refuses (by closing the connection) a single value larger than this.
 REDIS_MAX_VALUE = 512 * _MIB
 DEFAULT_READ_AHEAD = 16 * _MIB
+#: Bytes per value by default: 64 under 4 MiB. redis-server keeps a value in one allocation
+#: with its string header, and jemalloc rounds an allocation up to its next size class: a value
+#: of exactly 4 MiB takes 5 MiB of the server's memory, one of 4 MiB less 64 bytes takes 4 MiB.
+DEFAULT_PART_BYTES = 4 * _MIB - 64
 #: Seconds a retired value waits as a spare for a save to write over it (URL ``spare_ttl``).
 DEFAULT_SPARE_TTL = 900.0
 #: Values smaller than this are written with a plain SET: a fresh allocation costs little there.
@@ -298,7 +303,8 @@ class RedisEngine(RedisSettings):
     """``redis://[user:password@]host[:port][/db]``, ``rediss://...`` (TLS), ``unix:///path.sock``.
 
     kvckpt's own query options: ``prefix`` (key namespace), ``part_bytes`` (largest value per
-    key, default 4MiB, at most 512MiB), ``pipeline_bytes`` (bytes per pipelined batch of
+    key, default 64 bytes under 4MiB, which the server's allocator fits in 4 MiB; at most
+    512MiB), ``pipeline_bytes`` (bytes per pipelined batch of
     writes), ``read_ahead_bytes`` (bytes of GET replies requested ahead of the one being read,
     default 16MiB), ``allow_eviction`` (accept an evicting ``maxmemory-policy``),
     ``wait_replicas`` and ``wait_timeout`` (a save's data and its commit count only once that
@@ -317,7 +323,7 @@ class RedisEngine(RedisSettings):
         url: str,
         *,
         prefix: str = DEFAULT_PREFIX,
-        part_bytes: int = 4 * _MIB,
+        part_bytes: int = DEFAULT_PART_BYTES,
         pipeline_bytes: int = 256 * _MIB,
         redis_url: str | None = None,
         allow_eviction: bool = False,
@@ -777,7 +783,7 @@ def take_redis_options(opts: dict[str, str], url: str) -> dict[str, Any]:
     redis-py's), as keyword arguments of the engines."""
     return dict(
         prefix=take_option(opts, "prefix", url, validate_prefix, DEFAULT_PREFIX),
-        part_bytes=take_option(opts, "part_bytes", url, parse_size, 4 * _MIB),
+        part_bytes=take_option(opts, "part_bytes", url, parse_size, DEFAULT_PART_BYTES),
         pipeline_bytes=take_option(opts, "pipeline_bytes", url, parse_size, 256 * _MIB),
         read_ahead_bytes=take_option(opts, "read_ahead_bytes", url, parse_size, DEFAULT_READ_AHEAD),
         allow_eviction=take_option(opts, "allow_eviction", url, parse_bool, False),

@@ -48,6 +48,7 @@ from ._redis_replies import (
 from .base import BytesLike, Consumer, Hasher, StoreUsage, Update, ValueCallback
 from .redis import (
     _MIB,
+    DEFAULT_PART_BYTES,
     DEFAULT_READ_AHEAD,
     KVCKPT_REDIS_OPTIONS,
     RedisEngine,
@@ -138,7 +139,7 @@ class RedisClusterEngine(RedisSettings):
         url: str,
         *,
         prefix: str = DEFAULT_PREFIX,
-        part_bytes: int = 4 * _MIB,
+        part_bytes: int = DEFAULT_PART_BYTES,
         pipeline_bytes: int = 256 * _MIB,
         allow_eviction: bool = False,
         wait_replicas: int = 0,
