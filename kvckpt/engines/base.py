@@ -43,8 +43,8 @@ ValueCallback = Callable[[int, int | None], None]
 #: Pieces hashed just before they go to a socket, which then reads them from the CPU cache.
 #: A piece fits in a core's L2 (1 MiB and more on current x86 server cores), and the socket
 #: takes it in one ``sendall``: on loopback a send costs the kernel about as much per call as
-#: per byte, and 256 KiB pieces made a save to a local Redis send slower by a fifth
-#: (``benchmarks/run.py``: the Redis save's checksum cost).
+#: per byte, so smaller pieces slow the save down more than the cache saves
+#: (``benchmarks/run.py`` measures the Redis save's checksum cost).
 _HASH_PIECE = 1024 * 1024
 #: Pieces copied and then hashed while still in the CPU's cache. A piece and its source fit
 #: in a core's L2 (1 MiB and more of it on current x86 server cores); smaller pieces cost
