@@ -50,8 +50,9 @@ def header(r: dict[str, Any], rows: list[Row]) -> str:
     ceiling = f"{gbps('raw_lmdb_put_steady')}" if "raw_lmdb_put_steady" in r else "not measured"
     if own:
         ceiling += f" (in a process of its own: {', '.join(own)})"
-    short = [name for name, row in missed(rows) if row is not None]
-    unmeasured = [name for name, row in missed(rows) if row is None]
+    gaps = missed(rows)
+    short = [name for name, row in gaps if row is not None]
+    unmeasured = [name for name, row in gaps if row is None]
     measured = len(TARGETS) - len(unmeasured)
     met = f"{measured - len(short)} of {measured} met"
     if unmeasured:  # (a run made before these rows existed)
