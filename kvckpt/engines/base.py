@@ -50,7 +50,7 @@ _HASH_PIECE = 1024 * 1024
 #: in a core's L2 (1 MiB and more of it on current x86 server cores); smaller pieces cost
 #: more in Python's per-piece overhead, held under the GIL, than they save
 #: (``benchmarks/run.py``'s verified and unverified loads measure the difference).
-_COPY_HASH_PIECE = 512 * 1024
+_COPY_HASH_PIECE = 1024 * 1024
 
 
 def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher) -> int:
