@@ -399,37 +399,52 @@ class Bench:
         so that drift in the machine's memory state (page cache, a growing store on /dev/shm,
         freed pages handed back to the hypervisor) falls on all of them alike. Staging is
         DCP's copy for every writer; the *_huge writers ask for huge pages on it
-        (huge_pages=True, kvckpt/staging.py). runs_s[0] is each writer's first save."""
+        (huge_pages=True, kvckpt/staging.py). Each save starts once the previous one's
+        background work is done (``settle``). runs_s[0] is each writer's first save, but for
+        the *_cached writers, whose first save allocates the copy they then keep."""
         writers = _AsyncWriters(self)
+        # The copies the *_cached writers keep stay allocated from their first save on: made
+        # before the rounds, so that the fresh memory they take falls on no other case's save.
+        for name in writers.cases:
+            if name.endswith("_cached"):
+                self._async_save(writers, name)
         blocked: dict[str, list[float]] = {name: [] for name in writers.cases}
         names = list(writers.cases)
         for r in range(rounds_for(self.reps, len(names))):
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                make_writer, after_save = writers.cases[name]
-                writer = make_writer()
-                t0 = time.perf_counter()
-                fut = dcp.async_save(
-                    self.sd,
-                    storage_writer=writer,
-                    checkpoint_id=None,
-                    async_stager=writers.stagers.get(name),
-                )
-                blocked[name].append(time.perf_counter() - t0)
-                done: Any = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse or Future
-                done.result()
-                if after_save is not None:
-                    after_save()
-                # The training steps between two saves. Without them the next save's staging
-                # races DCP's worker thread, which still holds the previous staged copy for a
-                # moment after the future resolves; whether that memory is free to be reused
-                # (warm pages) or not (fresh pages, faulted in) decides the next staging time.
-                del fut, done, writer
-                gc.collect()
-                time.sleep(0.25)
+                blocked[name].append(self._async_save(writers, name))
         writers.close()
         for name, times in blocked.items():
             self.record(name, times)
         self.client.flushall()
+
+    def _async_save(self, writers: _AsyncWriters, name: str) -> float:
+        """One ``dcp.async_save`` of writer ``name``, once the previous save's background work
+        is done (``settle``), then its upload and the training steps between two saves; the
+        seconds it blocked."""
+        make_writer, after_save = writers.cases[name]
+        writer = make_writer()
+        settle()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(
+            self.sd,
+            storage_writer=writer,
+            checkpoint_id=None,
+            async_stager=writers.stagers.get(name),
+        )
+        blocked = time.perf_counter() - t0
+        done: Any = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse or Future
+        done.result()
+        if after_save is not None:
+            after_save()
+        # The training steps between two saves. Without them the next save's staging races
+        # DCP's worker thread, which still holds the previous staged copy for a moment after
+        # the future resolves; whether that memory is free to be reused (warm pages) or not
+        # (fresh pages, faulted in) decides the next staging time.
+        del fut, done, writer
+        gc.collect()
+        time.sleep(0.25)
+        return blocked
 
     def peak_rss(self) -> None:
         """Peak anonymous RSS above the state dict, one run each."""
