@@ -46,10 +46,10 @@ ValueCallback = Callable[[int, int | None], None]
 #: per byte, so smaller pieces slow the save down more than the cache saves
 #: (``benchmarks/run.py`` measures the Redis save's checksum cost).
 _HASH_PIECE = 1024 * 1024
-#: Pieces copied and then hashed while still in the CPU's cache. A piece and its source fit
-#: in a core's L2 (1 MiB and more of it on current x86 server cores); smaller pieces cost
-#: more in Python's per-piece overhead, held under the GIL, than they save
-#: (``benchmarks/run.py``'s verified and unverified loads measure the difference).
+#: Pieces copied and then hashed while still in the CPU's cache: a piece fits in a core's L2
+#: (1 MiB and more on current x86 server cores), where the hash finds it just written.
+#: Smaller pieces cost more in Python's per-piece overhead, held under the GIL, than they
+#: save (``benchmarks/run.py``'s verified and unverified loads measure the difference).
 _COPY_HASH_PIECE = 1024 * 1024
 
 
