@@ -29,6 +29,23 @@ def machine_line(r: dict[str, Any]) -> str:
     return r["machine"] if cpu in r["machine"] else f"{cpu}; {r['machine']}"
 
 
+def piece_line(r: dict[str, Any]) -> list[str]:
+    """The copy-and-hash piece size the run's verified LMDB loads chose by timing, and the
+    timings (none for a run made before the choice was timed)."""
+    if "copy_hash_piece" not in r:
+        return []
+    piece = r["copy_hash_piece"]
+    timed = ", ".join(f"{int(c) // 1024} KiB {ms:.0f}" for c, ms in piece["ms_per_gib"].items())
+    if piece["chosen"] is None:
+        chosen = "not chosen (too few verified values of 4 MiB or more to time)"
+    else:
+        chosen = f"{piece['chosen'] // 1024} KiB"
+    return [
+        "- the verified LMDB load's copy-and-hash piece, chosen by timing the run's first "
+        f"loads: {chosen}" + (f" (medians, ms per GiB on one thread: {timed})" if timed else "")
+    ]
+
+
 def header(r: dict[str, Any], rows: list[Row]) -> str:
     """Where the run ran and whether it passed: the CPU, memcpy's GB/s and LMDB's put ceiling
     on it, the date and command, the load average as it started, and the targets met and
@@ -63,6 +80,7 @@ def header(r: dict[str, Any], rows: list[Row]) -> str:
         + (", ".join(memcpy) if memcpy else "not measured in this run"),
         "- LMDB's put ceiling (its own put of the same values into a store that holds the "
         f"previous ones, one write transaction, no kvckpt): {ceiling}",
+        *piece_line(r),
         f"- {r['date']}; `{r['command']}`"
         + (
             f"; 1-minute load average {r['loadavg_start']:.2f} at the start"

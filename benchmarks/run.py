@@ -44,6 +44,8 @@ import targets
 import torch
 from report import cpu_name
 
+from kvckpt.engines._piece_choice import COPY_HASH_PIECE
+
 warnings.filterwarnings("ignore")
 
 
@@ -100,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         results = bench.run(args)
         results["loadavg_start"] = loadavg
         results["cpu"] = cpu_name()
+        results["copy_hash_piece"] = {  # chosen by timing the run's first verified loads
+            "chosen": COPY_HASH_PIECE.chosen,
+            "ms_per_gib": {str(c): m * 2**30 * 1e3 for c, m in COPY_HASH_PIECE.medians().items()},
+        }
         results["machine"] = (
             f"{platform.machine()}, {os.cpu_count()} cores, "
             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f}"

@@ -14,8 +14,7 @@ Nothing read from the store is unpickled without restriction: sharded objects lo
 ``KVStorageReader`` (``weights_only`` rules) and the common state with
 ``torch.load(weights_only=True)``, unless the caller opts out for a store it trusts.
 
-This module is imported explicitly (``import kvckpt.megatron``); ``import kvckpt`` never imports
-Megatron.
+Imported explicitly (``import kvckpt.megatron``): ``import kvckpt`` never imports Megatron.
 """
 
 from __future__ import annotations
@@ -435,11 +434,9 @@ def save(
 
     Megatron 0.16's ``save`` refuses every ``common_strategy`` ("The only supported common
     strategy is torch") and writes the common state to ``common.pt`` in ``checkpoint_dir``. This
-    runs that same ``save`` (same arguments: ``async_sharded_save``,
-    ``validate_access_integrity``, ``content_metadata``, ...) with ``common_strategy`` (default:
-    one that puts the common state into ``sharded_strategy``'s checkpoint) standing in for
-    Megatron's default common strategy, then records the ``kvckpt`` common backend in
-    ``metadata.json`` (for an async save, in a finalize function, after the commit).
+    runs that same ``save`` (same arguments) with ``common_strategy`` (default: one that puts the
+    common state into ``sharded_strategy``'s checkpoint) as Megatron's default common strategy,
+    then records the ``kvckpt`` common backend in ``metadata.json`` (async: after the commit).
     """
     if StrategyAction is None:  # pragma: no cover - megatron-core >= 0.19
         raise CheckpointingException(
@@ -483,13 +480,10 @@ def save(
 
 
 class BackgroundSave:
-    """Runs a Megatron ``AsyncRequest`` on a thread of this process.
-
-    Megatron's ``AsyncCallsQueue`` (what Megatron-LM uses for ``--async-save``) calls
-    ``torch.cuda.synchronize`` and so cannot run on a CPU-only job; this is the CPU
-    equivalent. The data is staged (``preload_fn``) before this returns, so training may change
-    the parameters at once.
-    """
+    """Runs a Megatron ``AsyncRequest`` on a thread of this process: the CPU equivalent of
+    Megatron's ``AsyncCallsQueue`` (Megatron-LM's ``--async-save``), which calls
+    ``torch.cuda.synchronize``. The data is staged (``preload_fn``) before this returns, so
+    training may change the parameters at once."""
 
     def __init__(self, request: AsyncRequest) -> None:
         self.request = request

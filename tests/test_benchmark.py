@@ -63,6 +63,7 @@ def test_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
     report = (out / "results.md").read_text()
     assert report.startswith(f"- CPU: {data['cpu']}")
     assert "- memcpy, one thread" in report and " GB/s with glibc's default" in report
+    assert "copy-and-hash piece, chosen by timing" in report
     assert "| metric | better | measured | target | pass | note |" in report
     assert (out / "results.png").stat().st_size > 1000
 

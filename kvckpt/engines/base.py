@@ -8,6 +8,7 @@ process) and must open connections lazily so a pickled engine reconnects on firs
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+from ._piece_choice import COPY_HASH_PIECE
 
 #: Anything with the buffer protocol that kvckpt hands to an engine as a value.
 BytesLike = bytes | bytearray | memoryview
@@ -46,23 +49,25 @@ ValueCallback = Callable[[int, int | None], None]
 #: per byte, so smaller pieces slow the save down more than the cache saves
 #: (``benchmarks/run.py`` measures the Redis save's checksum cost).
 _HASH_PIECE = 1024 * 1024
-#: Pieces copied and then hashed while still in the CPU's cache: a piece fits in a core's L2
-#: (1 MiB and more on current x86 server cores), where the hash finds it just written.
-#: Smaller pieces cost more in Python's per-piece overhead, held under the GIL, than they
-#: save (``benchmarks/run.py``'s verified and unverified loads measure the difference).
-_COPY_HASH_PIECE = 1024 * 1024
 
 
 def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher) -> int:
     """Copy ``src`` into ``dest`` a cache-sized piece at a time, hashing each piece just
-    copied: one pass over memory instead of two. Both steps release the GIL (numpy's copy,
-    xxhash), so several threads can run it at once."""
+    copied: one pass over memory instead of two. The piece size is the process's
+    ``COPY_HASH_PIECE``, chosen by timing its first verified values (``_piece_choice``). Both
+    steps release the GIL (numpy's copy, xxhash), so several threads can run it at once."""
     out, into = np.frombuffer(dest, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8)
-    for start in range(0, into.size, _COPY_HASH_PIECE):
-        piece = out[start : start + _COPY_HASH_PIECE]
-        np.copyto(piece, into[start : start + _COPY_HASH_PIECE])
+    timed = COPY_HASH_PIECE.trial(into.size)
+    size = timed or COPY_HASH_PIECE.piece()
+    started = time.perf_counter()
+    for start in range(0, into.size, size):
+        piece = out[start : start + size]
+        np.copyto(piece, into[start : start + size])
         hasher.update(piece.data)
-    return hasher.intdigest()
+    digest = hasher.intdigest()
+    if timed is not None:
+        COPY_HASH_PIECE.record(timed, into.size, time.perf_counter() - started)
+    return digest
 
 
 def hashed_pieces(view: memoryview, hasher: Hasher) -> Iterator[memoryview]:
