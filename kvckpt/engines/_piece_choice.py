@@ -3,10 +3,11 @@
 A verified load copies each value out of the store and hashes it. Copying a piece and then
 hashing it while it is still in the CPU's cache reads memory once. How large that piece should
 be depends on the CPU: its cache sizes and how fast it copies and hashes. On one x86 server CPU
-a piece of half the best size doubles what checking costs; on another the two sizes cost the
-same. So a process does not guess from the CPU's model: its first verified values are copied
-with each candidate size in turn, each value timed, and once every candidate has been timed a
-few times the one with the lowest median time per byte is kept for the rest of the process.
+pieces of half the best size double what checking costs; on another, that best size costs a
+quarter more than pieces of a quarter of it. So a process does not guess from the CPU's model:
+its first verified values are copied with each candidate size in turn, each value timed, and
+once every candidate has been timed a few times the one with the lowest median time per byte is
+kept for the rest of the process.
 
 The values timed are the load's own: nothing extra is copied, and timing costs two clock reads
 per value. Until the choice is made, values too small to time well use ``DEFAULT``.
