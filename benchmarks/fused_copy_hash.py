@@ -1,0 +1,159 @@
+"""What checking a load costs when the copy and the hash are fused in native code.
+
+A verified LMDB load copies each value out of the memory map and hashes it with xxh3; kvckpt
+copies a piece with numpy and hashes it with python-xxhash while it is still in the cache
+(``kvckpt.engines.base.copy_and_hash``). This measures whether native code could do better:
+the same 1 GiB, two threads taking alternate 4 MiB values (as a load's two copy threads do),
+copied without a hash (the baseline), by kvckpt's pieces, and by C loops built with xxHash's
+own AVX2 kernel that copy and hash 1 KiB at a time (one xxh3 block: the bytes never leave L1),
+in both orders, and with software prefetch 8 KiB ahead. Every C digest is checked against
+python-xxhash's. Cases take turns; medians and the slowest round are printed, each as the
+extra time over the plain copy (the checksum cost ``benchmarks/run.py`` reports).
+
+It needs gcc and xxHash's single header, which the xxhash sdist ships:
+
+    pip download xxhash==3.5.0 --no-binary :all: --no-deps -d /tmp/xxh
+    tar xzf /tmp/xxh/xxhash-3.5.0.tar.gz -C /tmp/xxh
+    python benchmarks/fused_copy_hash.py --xxhash-h /tmp/xxh/xxhash-3.5.0/deps/xxhash/xxhash.h
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+# mode 0: copy a block, hash the copy; 1: hash the source block, copy it from L1;
+# 2: as 1, with the source and the destination prefetched 8 KiB ahead.
+_C_SOURCE = r"""
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+#include <string.h>
+#include <x86intrin.h>
+uint64_t copy_hash(void *dst, const void *src, size_t len, int mode) {
+    const xxh_u8 *in = src; xxh_u8 *out = dst;
+    if (len <= XXH3_MIDSIZE_MAX) { memcpy(out, in, len); return XXH3_64bits(out, len); }
+    const xxh_u8 *secret = XXH3_kSecret; size_t const secret_size = sizeof(XXH3_kSecret);
+    XXH_ALIGN(XXH_ACC_ALIGN) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;
+    size_t const stripes = (secret_size - XXH_STRIPE_LEN) / XXH_SECRET_CONSUME_RATE;
+    size_t const block = XXH_STRIPE_LEN * stripes, blocks = (len - 1) / block;
+    for (size_t n = 0; n < blocks; n++) {
+        const xxh_u8 *s = in + n * block; xxh_u8 *d = out + n * block;
+        if (mode == 0) { memcpy(d, s, block); XXH3_accumulate(acc, d, secret, stripes); }
+        else {
+            if (mode == 2)
+                for (size_t k = 0; k < block; k += 64) {
+                    _mm_prefetch((const char *)s + 8192 + k, _MM_HINT_T0);
+                    _m_prefetchw(d + 8192 + k);
+                }
+            XXH3_accumulate(acc, s, secret, stripes); memcpy(d, s, block);
+        }
+        XXH3_scrambleAcc(acc, secret + secret_size - XXH_STRIPE_LEN);
+    }
+    size_t done = blocks * block;
+    memcpy(out + done, in + done, len - done);
+    XXH3_accumulate(acc, out + done, secret, ((len - 1) - done) / XXH_STRIPE_LEN);
+    XXH3_accumulate_512(acc, out + len - XXH_STRIPE_LEN,
+                        secret + secret_size - XXH_STRIPE_LEN - XXH_SECRET_LASTACC_START);
+    return XXH3_mergeAccs(acc, secret + XXH_SECRET_MERGEACCS_START, (xxh_u64)len * XXH_PRIME64_1);
+}
+"""
+_MODES = {"fused, copy then hash": 0, "fused, hash then copy": 1, "fused, prefetched": 2}
+_VALUE = 4 << 20
+_PIECES = (256 << 10, 512 << 10, 1 << 20, 2 << 20)
+
+
+def _build(header: Path, workdir: Path) -> ctypes.CDLL:
+    (workdir / "copy_hash.c").write_text(_C_SOURCE)
+    (workdir / "xxhash.h").write_bytes(header.read_bytes())
+    lib = workdir / "copy_hash.so"
+    flags = ["-O3", "-mavx2", "-mprfchw", "-shared", "-fPIC"]
+    subprocess.run(["gcc", *flags, "-o", str(lib), str(workdir / "copy_hash.c")], check=True)
+    dll = ctypes.CDLL(str(lib))
+    dll.copy_hash.restype = ctypes.c_uint64
+    dll.copy_hash.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return dll
+
+
+def _two_threads(total: int, step: Callable[[int], object]) -> float:
+    """Seconds for two threads to run ``step`` over alternate values of ``total`` bytes."""
+
+    def work(first: int) -> None:
+        for at in range(first * _VALUE, total, 2 * _VALUE):
+            step(at)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--xxhash-h", type=Path, required=True, help="xxHash's xxhash.h")
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    total = args.size_mib << 20
+    src = np.random.default_rng(0).integers(0, 255, total, dtype=np.uint8)
+    dst = np.ones(total, np.uint8)  # touched: a load copies into tensors that exist
+    with tempfile.TemporaryDirectory() as tmp:
+        dll = _build(args.xxhash_h, Path(tmp))
+    sp, dp = src.ctypes.data, dst.ctypes.data
+    for mode in _MODES.values():
+        for n in (100, 240, 241, 1024, 1025, 100_000, _VALUE):
+            expected = xxhash.xxh3_64_intdigest(src[:n].tobytes())
+            assert dll.copy_hash(dp, sp, n, mode) == expected, (mode, n)
+            assert np.array_equal(dst[:n], src[:n])
+
+    def plain(at: int) -> None:
+        np.copyto(dst[at : at + _VALUE], src[at : at + _VALUE])
+
+    def pieces(size: int) -> Callable[[int], int]:
+        def step(at: int) -> int:  # kvckpt's copy_and_hash, with the piece size fixed
+            hasher = xxhash.xxh3_64()
+            for start in range(at, at + _VALUE, size):
+                piece = dst[start : start + size]
+                np.copyto(piece, src[start : start + size])
+                hasher.update(piece.data)
+            return hasher.intdigest()
+
+        return step
+
+    def native(mode: int) -> Callable[[int], int]:
+        return lambda at: dll.copy_hash(dp + at, sp + at, _VALUE, mode)
+
+    cases: dict[str, Callable[[int], object]] = {"copy alone (numpy)": plain}
+    cases |= {f"kvckpt's pieces, {p >> 10} KiB": pieces(p) for p in _PIECES}
+    cases |= {name: native(mode) for name, mode in _MODES.items()}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(args.rounds):
+        for name, step in cases.items():
+            times[name].append(_two_threads(total, step))
+    base = statistics.median(times["copy alone (numpy)"])
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[0]
+    print(f"{args.size_mib} MiB, two threads, {args.rounds} rounds taking turns; load {load}")
+    print(f"{'case':32} {'median':>9} {'GB/s':>6} {'cost':>7} {'slowest':>9}")
+    for name, seconds in times.items():
+        m = statistics.median(seconds)
+        print(
+            f"{name:32} {m * 1e3:7.1f}ms {total / m / 1e9:6.2f} {m / base - 1:+7.3f}"
+            f" {max(seconds) * 1e3:7.1f}ms"
+        )
+
+
+if __name__ == "__main__":
+    main()
