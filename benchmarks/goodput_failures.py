@@ -115,9 +115,20 @@ def with_failures(
             if proc.poll() is not None:
                 raise SystemExit(f"[{econ.name}] {system}: the job ended before kill {attempt + 1}")
             time.sleep(0.01)
-        kills.append(time.time())
+        killed = time.time()
+        kills.append(killed)
         os.kill(starts[-1]["pid"], signal.SIGKILL)
-        done = [e for e in ev if e["event"] == "loss" and e["attempt"] == attempt]
+        # the step reached is read once the rank is gone, from every event it wrote before the
+        # kill (as the report below reads it): steps logged just before the kill may not have
+        # been read yet
+        deadline = killed + 30
+        while alive(starts[-1]["pid"]) and time.time() < deadline:
+            time.sleep(0.005)
+        done = [
+            e
+            for e in events_of(events)
+            if e["event"] == "loss" and e["attempt"] == attempt and e["t"] < killed
+        ]
         reached.append(max((e["step"] for e in done), default=0))
         if system == "dcp-disk":
             drop_page_cache()
