@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import statistics
 import subprocess
+import sys
 import tempfile
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import xxhash
+
+sys.path.insert(0, str(Path(__file__).parent))
+from timing import threads_seconds
 
 # mode 0: copy a block, hash the copy; 1: hash the source block, copy it from L1;
 # 2: as 1, with the source and the destination prefetched 8 KiB ahead.
@@ -91,13 +94,7 @@ def _two_threads(total: int, step: Callable[[int], object]) -> float:
         for at in range(first * _VALUE, total, 2 * _VALUE):
             step(at)
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - started
+    return threads_seconds([functools.partial(work, k) for k in range(2)])
 
 
 def main() -> None:

@@ -19,13 +19,12 @@ economy) is bounded by this:
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from baselines import RawRedis
+from timing import threads_seconds
 from workload import MIB, make_state_dict, tensor_parts
 
 from kvckpt.testing import RedisServer
@@ -52,16 +52,8 @@ def split(items: Items, n: int) -> list[Items]:
 
 
 def in_parallel(conns: list[RawRedis], groups: list[Items], op: str, *args: int) -> float:
-    calls: list[Callable[..., None]] = [getattr(c, op) for c in conns]
-    threads = [
-        threading.Thread(target=f, args=(g, *args)) for f, g in zip(calls, groups, strict=True)
-    ]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0
+    pairs = zip(conns, groups, strict=True)
+    return threads_seconds([functools.partial(getattr(c, op), g, *args) for c, g in pairs])
 
 
 def rank_reader(

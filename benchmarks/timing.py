@@ -1,6 +1,7 @@
 """How ``benchmarks/run.py`` times its cases: in a block (``timed``), taking turns
 (``take_turns``), after a new LMDB store's background work is done (``settle``), and the peak
-of anonymous memory a call uses (``peak_anon_rss_delta``)."""
+of anonymous memory a call uses (``peak_anon_rss_delta``); and how long calls on threads of
+their own take together (``threads_seconds``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,17 @@ from workload import KIB
 
 #: ``{name: (fn, setup)}``: a case and what runs untimed before each of its runs
 Cases = dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]]
+
+
+def threads_seconds(calls: list[Callable[[], Any]]) -> float:
+    """Seconds for ``calls`` to run, each on a thread of its own, all started together."""
+    threads = [threading.Thread(target=call) for call in calls]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - started
 
 
 def timed(
