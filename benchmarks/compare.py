@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from report import markdown_table, write_report
+from timing import p90
 
 CASES = ["small_save", "small_load", "big_save", "big_load"]
 STORES = ["lmdb", "redis"]
@@ -79,10 +80,6 @@ def run_worker(tree: Path, args: argparse.Namespace, redis_url: str) -> dict:
     if not result["kvckpt"].startswith(str(tree)):
         raise SystemExit(f"the worker for {tree} imported {result['kvckpt']}")
     return result
-
-
-def p90(values: list[float]) -> float:
-    return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
 
 
 def main() -> None:

@@ -5,12 +5,12 @@ and whether it met its targets, above the table of every row (``targets.rows``),
 from __future__ import annotations
 
 import contextlib
-import math
 from pathlib import Path
 from typing import Any
 
 from report import figure, markdown_table, write_report
 from targets import TARGETS, Row, missed, target_text
+from timing import p90
 from workload import MIB
 
 #: The two memcpy settings of the store-mode processes: (results key part, label)
@@ -113,10 +113,6 @@ def table(rows: list[Row]) -> str:
 def cases(results: dict[str, Any]) -> str:
     """Every case timed: its runs, median, p90 (nearest rank) and slowest run, in seconds, and
     the median's GB/s: the tails behind the ratios above."""
-
-    def p90(runs: list[float]) -> float:
-        ordered = sorted(runs)
-        return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
 
     timed = [(k, v) for k, v in results.items() if isinstance(v, dict) and v.get("runs_s")]
     return markdown_table(

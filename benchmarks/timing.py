@@ -1,11 +1,12 @@
 """How ``benchmarks/run.py`` times its cases: in a block (``timed``), taking turns
 (``take_turns``), after a new LMDB store's background work is done (``settle``), and the peak
-of anonymous memory a call uses (``peak_anon_rss_delta``); and how long calls on threads of
-their own take together (``threads_seconds``)."""
+of anonymous memory a call uses (``peak_anon_rss_delta``); how long calls on threads of their
+own take together (``threads_seconds``); and the tail every report gives (``p90``)."""
 
 from __future__ import annotations
 
 import gc
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +16,12 @@ from workload import KIB
 
 #: ``{name: (fn, setup)}``: a case and what runs untimed before each of its runs
 Cases = dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]]
+
+
+def p90(runs: list[float]) -> float:
+    """The 90th percentile of ``runs``, nearest rank: a run that happened, never interpolated."""
+    ordered = sorted(runs)
+    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
 
 
 def threads_seconds(calls: list[Callable[[], Any]]) -> float:
