@@ -209,7 +209,9 @@ def async_and_failed_saves_worker(
     rank: int, world: int, port: int, root: str, ranks_per_host: int, out: str
 ) -> None:
     """Several ranks per host, no shared tier: an async save, a save that fails on one rank,
-    then another async save; the copies stay in step through all three."""
+    then another async save; the copies stay in step through all three. Each save waits for
+    the copies before it (``tiers.wait()``): a save planned while an earlier copy still runs
+    is not copied to the peers (as ``copy="newest"``), and on a loaded machine it would be."""
     _as_host(rank, ranks_per_host)
     _init(rank, world, port)
     tiers = Tiers(_stores(root, rank, ranks_per_host, None), peers=1)
@@ -218,6 +220,7 @@ def async_and_failed_saves_worker(
         step_state(world, 1), storage_writer=tiers.writer(), checkpoint_id="step-1",
         process_group=group,
     ).result()  # fmt: skip
+    tiers.wait()
     failed = ""
     try:
         dcp.save(
@@ -226,6 +229,7 @@ def async_and_failed_saves_worker(
         )  # fmt: skip
     except BaseException as e:
         failed = type(e).__name__
+    tiers.wait()
     dcp.async_save(
         step_state(world, 3), storage_writer=tiers.writer(), checkpoint_id="step-3",
         process_group=group,

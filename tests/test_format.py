@@ -174,6 +174,7 @@ class Boom:
         msgpack.packb(msgpack.ExtType(5, b"x")),
         encode()[:-7],
     ],
+    ids=["pickle", "pickled-dict", "empty", "reserved-byte", "array", "ext-type", "truncated"],
 )
 def test_garbage_is_a_metadata_error(raw: bytes, capsys) -> None:
     with pytest.raises(MetadataError):

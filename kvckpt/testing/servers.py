@@ -7,6 +7,7 @@ way kvckpt's own tests and benchmarks do.
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import socket
 import subprocess
@@ -18,11 +19,41 @@ from typing import Any
 
 import redis
 
+#: The lowest port ``free_port`` picks from: above the well-known and common service ports.
+_LOWEST_PORT = 10000
+#: The OS's randomness: forked processes would share the ``random`` module's state.
+_RANDOM = random.SystemRandom()
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel takes outgoing connections' local ports from."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
 
 def free_port() -> int:
+    """A port on 127.0.0.1 that no socket is bound to now, for a server about to start.
+
+    Chosen at random below the kernel's ephemeral range, not by binding port 0: a port from
+    that range can be taken, between this call and the server's bind, by any process's
+    outgoing connection (gloo opens one per pair of ranks), and the server would then fail
+    with EADDRINUSE. Below the range only another explicit bind can take it."""
+    low, _ = _ephemeral_ports()
+    if low - _LOWEST_PORT >= 1000:
+        for _ in range(100):
+            port = _RANDOM.randrange(_LOWEST_PORT, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 class RedisServer:
