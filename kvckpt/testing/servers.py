@@ -25,13 +25,12 @@ _LOWEST_PORT = 10000
 _RANDOM = random.SystemRandom()
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    """The range the kernel takes outgoing connections' local ports from."""
+def _lowest_ephemeral_port() -> int:
+    """The bottom of the range the kernel takes outgoing connections' local ports from."""
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port() -> int:
@@ -41,7 +40,7 @@ def free_port() -> int:
     that range can be taken, between this call and the server's bind, by any process's
     outgoing connection (gloo opens one per pair of ranks), and the server would then fail
     with EADDRINUSE. Below the range only another explicit bind can take it."""
-    low, _ = _ephemeral_ports()
+    low = _lowest_ephemeral_port()
     if low - _LOWEST_PORT >= 1000:
         for _ in range(100):
             port = _RANDOM.randrange(_LOWEST_PORT, low)
