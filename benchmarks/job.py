@@ -45,7 +45,8 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from baselines import RawRedis
-from report import markdown_table, write_report
+from report import cpu_name, markdown_table, write_report
+from timing import p90
 from workload import MIB, make_state_dict, nbytes, tensor_parts
 
 import kvckpt
@@ -206,7 +207,7 @@ def run_scenario(
             "times_s": ts,
             "gbps": [size / t / 1e9 for t in ts],
             "p50_s": statistics.median(ts),
-            "p90_s": statistics.quantiles(ts, n=10, method="inclusive")[-1],
+            "p90_s": p90(ts),
             "max_s": max(ts),
             "steady_gbps": size / statistics.median(ts[4:] or ts) / 1e9,
             "settle_past_gap_max_s": max(overrun[name]),
@@ -337,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         "scenarios": scenarios,
     }
     machine = (
-        f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"torch {torch.__version__}; {len(sd)} tensors, {size / MIB:.0f} MiB; {args.saves} "
+        f"{platform.machine()} {cpu_name()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}, torch {torch.__version__}; {len(sd)} tensors, "
+        f"{size / MIB:.0f} MiB; {args.saves} "
         f"saves per system, {args.gap:g} s idle after each; highest 1-min loadavg at a save: "
         + ", ".join(f"{sc['loadavg_max']:.2f}" for sc in scenarios)
     )

@@ -17,15 +17,22 @@ from typing import Any
 
 
 def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), for the machine line: figures from one VM
-    type are not another's."""
+    """The CPU's model name and its family and model numbers (``/proc/cpuinfo``), for the
+    machine line: figures from one VM type are not another's, and a VM may name its CPU only
+    "AMD EPYC", which the family (25: Zen 3 and 4; 26: Zen 5) tells apart."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if not key.strip():
+                break  # the first processor's block ends
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return "unknown CPU"
+    name = fields.get("model name", "unknown CPU")
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:

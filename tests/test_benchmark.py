@@ -403,3 +403,17 @@ def test_peer_memory_smoke_run(tmp_path) -> None:
     assert case["exact"]
     for phase in ("copy", "restore"):
         assert 0 < case[phase]["exact"] <= case["target"], phase
+
+
+def test_hosts_table_in_performance_md_is_the_published_runs() -> None:
+    """docs/PERFORMANCE.md's table of every host measured is benchmarks/hosts.py's output for
+    the directories its command names: the table is never typed by hand, and every run it
+    lists is published."""
+    page = (Path(ROOT) / "docs/PERFORMANCE.md").read_text()
+    command = next(
+        line for line in page.splitlines() if line.startswith("python benchmarks/hosts.py")
+    )
+    result = run_benchmark("hosts.py", *command.split()[2:])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() in page
+    assert result.stdout.count("\n| ") == len(command.split()[2:])  # a row for each
