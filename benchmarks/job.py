@@ -8,7 +8,8 @@ the last ``keep_last`` checkpoints (kvckpt's ``keep_last=``; DCP's directories a
 ``keep_last`` back, as a job's own retention would). The systems take turns save by save, and
 after each save the process sleeps ``--gap`` seconds: the training steps between two saves,
 during which a GPU job leaves the host's cores idle and a store may get ready for the next save
-(kvckpt's LMDB engine faults in the next save's pages then). A job starts as kvckpt's docs
+(kvckpt's LMDB engine faults in the next save's pages then, and Redis makes the spares the
+next save writes into). A job starts as kvckpt's docs
 recommend: ``get_ready(state_dict)`` on the LMDB writer and on ``Tiers``, then ``--gap`` seconds
 for the steps before the first checkpoint, for every system. Systems: kvckpt LMDB on /dev/shm,
 kvckpt Redis (a new redis-server), kvckpt ``Tiers`` (LMDB then Redis; the save returns when the
@@ -51,6 +52,7 @@ from workload import MIB, make_state_dict, nbytes, tensor_parts
 
 import kvckpt
 from kvckpt import KVStorageWriter
+from kvckpt.engines._redis_spares import wait_ahead
 from kvckpt.engines.lmdb import _SharedEnv, close_idle_environments
 from kvckpt.testing import RedisServer
 
@@ -121,10 +123,12 @@ class Job:
 
 
 def settle(job: Job | None = None) -> None:
-    """Let a system's background work (Tiers' copy, LMDB's fault-in of the next save's pages)
-    finish inside its own gap, so that it never runs during another system's timed save."""
+    """Let a system's background work (Tiers' copy, LMDB's fault-in of the next save's pages,
+    the spares Redis makes ahead of the next save) finish inside its own gap, so that it never
+    runs during another system's timed save."""
     if job is not None and job.tiers is not None:
         job.tiers.wait()
+    wait_ahead()
     for shared in list(_SharedEnv._envs.values()):
         if shared.populator is not None:
             shared.populator.join()

@@ -497,8 +497,9 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
             # map after it would drop the pages it just mapped (LMDB).
             self.engine.get_ready(planned, self._saves_held())
             started = time.perf_counter()
-            self._write(checkpoint_id, plan, planner, where, renew, sums, results)
+            written = self._write(checkpoint_id, plan, planner, where, renew, sums, results)
             sums.learn(self.engine, time.perf_counter() - started)
+            self._make_spares_ahead(written, where)
             self.engine.sync_replicas()
             self.engine.get_ready(sum(wr.size_in_bytes for wr in results), self._saves_held())
             results[:] = sums.recorded(results, self.engine.url)
@@ -579,10 +580,14 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         renew: LeaseRenewal,
         sums: _Checksums,
         results: list[WriteResult],
-    ) -> None:
-        """Send every item of the plan to the engine, filling ``results`` as items go."""
+    ) -> list[tuple[str, int]]:
+        """Send every item of the plan to the engine, filling ``results`` as items go. Returns
+        the spare name and size of each value written, where spares may be made ahead
+        (``_make_spares_ahead``)."""
         part_bytes = self.part_bytes
         prefix = self.engine.prefix
+        written: list[tuple[str, int]] = []
+        record = self.keep_last is not None and self.engine.reuses_values
 
         def values() -> Iterator[tuple[str, memoryview]]:
             # Lazy: each item is resolved (and, for GPU tensors, copied to the CPU) only when
@@ -603,7 +608,10 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
                 results.append(
                     WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=loc)
                 )
-                yield from loc.split(view, prefix, checkpoint_id, where.save_id)
+                for key, part in loc.split(view, prefix, checkpoint_id, where.save_id):
+                    if record:
+                        written.append((spare_key(prefix, key), part.nbytes))
+                    yield key, part
 
         with gc_paused():
             self.engine.put_many(
@@ -615,6 +623,25 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
                 # part)
                 spare_of=functools.partial(spare_key, prefix),
             )
+        return written
+
+    def _make_spares_ahead(self, written: list[tuple[str, int]], where: SavePlanData) -> None:
+        """After a save that retention will not follow with spares (it deletes no checkpoint
+        until ``keep_last`` are committed), have the engine make spares of the values just
+        written, for the next save to write over (Redis: the server allocates them while
+        training runs, not during that save: they are made once its commit record exists).
+        Reads the catalog index, one key. Not in a node-local store that holds no metadata
+        (its retention is ``tidy_remote_store``)."""
+        remote = where.coordinator_store not in (None, _store_identity(self.engine))
+        if not written or self.keep_last is None or remote:
+            return
+        try:
+            complete = sum(1 for info in list_checkpoints(self.engine) if info.complete)
+        except (KVCheckpointError, OSError):
+            return  # an index that cannot be read: gc's to mend, and no reason to fail a save
+        if complete < self.keep_last:  # with this save's commit, still none beyond keep_last
+            commit = meta_key(self.engine.prefix, self._require_id(), self._local_rank_key())
+            self.engine.make_spares(written, after=commit)
 
     def _session_id(self) -> str | None:
         return self.engine.session_id()

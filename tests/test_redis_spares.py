@@ -4,14 +4,18 @@ pages. Real redis-server; correctness only (the speed is benchmarks/job.py's).""
 
 from __future__ import annotations
 
+import logging
+import time
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from kvckpt import KVStorageReader, KVStorageWriter, Tiers, gc, list_checkpoints, open_store
+from kvckpt.engines._redis_spares import make_ahead, stop_ahead, wait_ahead
 from kvckpt.errors import StoreFullError
 from kvckpt.keys import data_prefix, spare_prefix
-from kvckpt.testing import RedisServer
+from kvckpt.testing import RedisServer, free_port
 
 MIB = 1 << 20
 
@@ -52,27 +56,99 @@ def save(url: str, sd: dict[str, torch.Tensor], checkpoint_id: str, keep: int = 
 def test_retention_keeps_spares_and_the_next_save_writes_over_them(
     redis_server: RedisServer, redis_url: str
 ) -> None:
-    redis_server.client().config_resetstat()
-    save(redis_url, state(10, 0.0), "s0")
-    assert spares(redis_server) == []
-    save(redis_url, state(10, 1.0), "s1")  # drops s0: its values become spares
-    # With no spare to take over, plain SETs (SETRANGE into a new key allocates and zeroes);
-    # the RENAMEs are the retirement of s0's four values.
-    assert commands(redis_server, "setrange") == 0
-    assert commands(redis_server, "rename") == 4
-    kept = spares(redis_server)
-    assert len(kept) == 3 + 1  # 10 MiB in 4 MiB parts, and the small tensor
     client = redis_server.client()
+    save(redis_url, state(10, 0.0), "s0")
+    wait_ahead()
+    # Retention has nothing to delete yet (keep_last=1), so spares were made ahead: one per
+    # value of 64 KiB or more, of its size (10 MiB in 4 MiB parts; the small tensor is SET).
+    ahead = spares(redis_server)
+    assert sorted(client.strlen(k) for k in ahead) == [2 * MIB + 128, 4 * MIB - 64, 4 * MIB - 64]
+    assert all(0 < client.ttl(k) <= 900 for k in ahead)
+    client.config_resetstat()
+    save(redis_url, state(10, 1.0), "s1")  # writes over them, drops s0: s0's values are spares
+    assert commands(redis_server, "setrange") == 3
+    assert commands(redis_server, "rename") == 3 + 4  # three taken over, s0's four retired
+    kept = spares(redis_server)
+    assert len(kept) == 3 + 1
     assert all(0 < client.ttl(k) <= 900 for k in kept)
     save(redis_url, state(10, 2.0), "s2")  # writes over s0's spares, drops s1
-    assert commands(redis_server, "setrange") == 3  # the three large parts
-    assert commands(redis_server, "rename") == 4 + 3 + 4  # s0 retired, 3 taken over, s1 retired
+    assert commands(redis_server, "setrange") == 3 + 3
+    assert commands(redis_server, "rename") == 7 + 3 + 4
     assert [c.checkpoint_id for c in list_checkpoints(redis_url)] == ["s2"]
     assert_equal(load(redis_url, "s2", state(10, 2.0)), state(10, 2.0))
     # The new checkpoint's values took the spares over without their expiry.
     data = list(client.scan_iter(match="kvckpt/data/s2/*"))
     assert data and all(client.ttl(k) == -1 for k in data)
     assert len(spares(redis_server)) == 4  # s1's values now
+
+
+def test_the_saves_before_retention_deletes_anything_write_into_spares_made_ahead(
+    redis_server: RedisServer, redis_url: str
+) -> None:
+    """keep_last=2: the second and third saves find spares that were made after the save
+    before them; from the third on, retention's spares take over."""
+    client = redis_server.client()
+    client.config_resetstat()
+    for i in range(4):
+        save(redis_url, state(10, float(i)), f"k{i}", keep=2)
+        wait_ahead()
+    # k1 and k2 wrote over spares made ahead, k3 over k0's values, retired by k2's retention
+    assert commands(redis_server, "setrange") == 3 * (2 + 1) + 3 * 2  # made ahead, taken over
+    assert [c.checkpoint_id for c in list_checkpoints(redis_url)] == ["k3", "k2"]
+    for i in (2, 3):
+        assert_equal(load(redis_url, f"k{i}", state(10, float(i))), state(10, float(i)))
+    assert len(spares(redis_server)) == 4  # k1's values, retired by k3's retention
+
+
+def test_no_spares_are_made_ahead_without_room_for_twice_their_bytes(tmp_path) -> None:
+    server = RedisServer(tmp_path / "r", "--maxmemory", str(64 * MIB))
+    try:
+        url = server.url()
+        save(url, state(24, 0.0), "m0")  # 24 MiB in, about 39 MiB free: less than 48
+        wait_ahead()
+        assert spares(server) == []
+        assert_equal(load(url, "m0", state(24, 0.0)), state(24, 0.0))
+    finally:
+        server.stop()
+
+
+def test_spares_ahead_wait_for_the_saves_commit(redis_server: RedisServer, redis_url: str) -> None:
+    """The server runs one command at a time: spares are made once the save that asked for
+    them has committed, not during its commit."""
+    url, client = redis_server.url(), redis_server.client()
+    wanted = [(f"{spare_prefix('kvckpt')}0/x/{i}", 128 * 1024) for i in range(3)]
+    make_ahead(client, url, wanted, 60_000, after="commit-record")
+    time.sleep(0.3)
+    assert spares(redis_server) == []
+    client.set("commit-record", b"1")
+    wait_ahead()
+    assert [client.strlen(k) for k in spares(redis_server)] == [128 * 1024] * 3
+
+
+def test_a_save_stops_the_spares_being_made_ahead(
+    redis_server: RedisServer, redis_url: str
+) -> None:
+    """stop_ahead (as a save into the server calls it) returns once the thread has stopped:
+    no spare is made after it."""
+    url = redis_server.url()
+    wanted = [(f"{spare_prefix('kvckpt')}0/x/{i}", 256 * 1024) for i in range(200)]
+    make_ahead(redis_server.client(), url, wanted, 60_000)
+    stop_ahead(url)
+    made = len(spares(redis_server))
+    time.sleep(0.2)
+    assert len(spares(redis_server)) == made <= 200
+
+
+def test_spares_that_cannot_be_made_are_logged_not_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import redis
+
+    client = redis.Redis(port=free_port(), socket_connect_timeout=1)  # nothing listens
+    with caplog.at_level(logging.INFO, logger="kvckpt.engines._redis_spares"):
+        make_ahead(client, "redis://nowhere", [("kvckpt/spare/0/x/0", MIB)], 1000)
+        wait_ahead()
+    assert "spares ahead of the next save to redis://nowhere not made" in caplog.text
 
 
 @pytest.mark.parametrize("mib", [5.5, 14.0], ids=["spares-longer", "spares-shorter"])
@@ -110,8 +186,11 @@ def test_an_explicit_delete_frees_the_memory(redis_server: RedisServer, redis_ur
     from kvckpt import delete_checkpoint
 
     save(redis_url, state(5, 0.0), "d0", keep=3)
+    wait_ahead()
+    ahead = spares(redis_server)  # made ahead of the next save, not from d0's values
     delete_checkpoint(redis_url, "d0")
-    assert spares(redis_server) == []
+    assert spares(redis_server) == ahead
+    assert not list(redis_server.client().scan_iter(match=data_prefix("kvckpt", "d0") + "*"))
 
 
 def test_a_tiers_replica_writes_over_its_spares(
@@ -152,10 +231,10 @@ def test_preflight_counts_spares_as_room(
 def test_only_the_values_with_a_spare_take_one_over(
     redis_server: RedisServer, redis_url: str
 ) -> None:
-    redis_server.client().config_resetstat()
     save(redis_url, state(5, 0.0), "s0")
     save(redis_url, state(5, 1.0), "s1")  # s0's values become spares
     grown = {**state(5, 2.0), "new": torch.rand(MIB)}  # 4 MiB more, no spare of its own
+    redis_server.client().config_resetstat()
     save(redis_url, grown, "s2")
     assert commands(redis_server, "setrange") == 2  # "big"'s two parts
     out = load(redis_url, "s2", grown)

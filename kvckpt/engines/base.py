@@ -107,9 +107,10 @@ class Engine(ABC):
     - ``zero_copy_reads``: whether ``get_many`` hands out views of the store's own memory. A
       value bound for a GPU is then copied there straight from the store; without it, it is
       read into a host buffer through ``get_into`` (a socket's fast path) and copied from there.
-    - ``reuses_values``: whether ``retire_values`` keeps retired values under spare names and
-      ``put_many`` takes ``spare_of`` and writes into a spare's memory in place (Redis: fresh
-      server memory is what makes a save slow).
+    - ``reuses_values``: whether ``retire_values`` keeps retired values under spare names,
+      ``make_spares`` makes spares ahead of a save, and ``put_many`` takes ``spare_of`` and
+      writes into a spare's memory in place (Redis: fresh server memory is what makes a save
+      slow).
     - ``read_leases``: whether reads take a read lease (the default; URL option
       ``read_lease=0`` turns it off), which holds off retention while they run.
     - ``hashes_while_writing``: whether ``put_many`` takes ``on_value`` and ``hasher`` and hashes
@@ -310,6 +311,15 @@ class Engine(ABC):
         name for a while instead, for the next save to overwrite in place; the others delete
         them. Returns the number of keys removed."""
         return self.delete(key for key, _ in keys)
+
+    def make_spares(  # noqa: B027 - optional hook
+        self, values: Sequence[tuple[str, int]], after: str | None = None
+    ) -> None:
+        """Make spares (named as ``retire_values`` names them) of these (name, bytes) for the
+        next save to write over, on a background thread once key ``after`` (the save's commit
+        record) exists; returns at once. A writer asks for them after the saves that
+        retention will not follow with spares of its own (a job's first ``keep_last`` saves).
+        Only engines that ``reuses_values`` make any."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections or file handles. The engine may be reopened by using it again."""

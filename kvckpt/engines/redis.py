@@ -47,12 +47,12 @@ from ..urls import (
     take_option,
     validate_prefix,
 )
+from . import _redis_spares as spares
 from ._redis_replies import (
     failed_key,
     is_no_permission,
     is_out_of_memory,
     no_permission,
-    no_such_key,
     server_message,
 )
 from ._redis_set import MAX_PIPELINE_KEYS, SetPipeline
@@ -431,6 +431,8 @@ class RedisEngine(RedisSettings):
         over instead where there is one (``RENAME``, ``PERSIST``) and is written into the
         spare's memory (``SETRANGE key 0``); a spare of another size is replaced by a SET."""
         spare_of = spare_of if self.reuses_values else None
+        if spare_of is not None:
+            spares.stop_ahead(self.url)  # none made behind the checks for existing ones
         hashing = on_value if hasher is not None else None
 
         def work(conn: Any) -> None:
@@ -533,26 +535,22 @@ class RedisEngine(RedisSettings):
     @_translate_errors
     @_retried
     def retire_values(self, keys: Sequence[tuple[str, str]]) -> int:
-        """Keep each retired value under its spare name for ``spare_ttl`` seconds (``RENAME``
-        replaces an older spare of that name; the key's memory is not touched), or delete them
-        with ``spare_ttl=0``."""
+        """Keep each retired value under its spare name for ``spare_ttl`` seconds, or delete
+        them with ``spare_ttl=0`` (``_redis_spares``)."""
         if not self.reuses_values:
             return self.delete(key for key, _ in keys)
-        removed = 0
-        ttl_ms = max(1, int(self.spare_ttl * 1000))
-        for start in range(0, len(keys), _DELETE_BATCH):
-            pipe = self._client.pipeline(transaction=False)
-            for key, spare in keys[start : start + _DELETE_BATCH]:
-                pipe.rename(key, spare)
-                pipe.pexpire(spare, ttl_ms)
-            replies = pipe.execute(raise_on_error=False)
-            for renamed in replies[::2]:
-                if isinstance(renamed, redis.ResponseError):
-                    if not no_such_key(renamed):
-                        raise renamed
-                else:
-                    removed += 1
-        return removed
+        return spares.retire(self._client, keys, self._spare_ttl_ms())
+
+    def make_spares(self, values: Sequence[tuple[str, int]], after: str | None = None) -> None:
+        """Spares for the next save, made on a background thread once key ``after`` exists:
+        one of the name and size of each value at least as large as the values that take
+        spares over (``_redis_spares``)."""
+        if self.reuses_values:
+            wanted = [(name, n) for name, n in values if n >= _REUSE_FROM]
+            spares.make_ahead(self._client, self.url, wanted, self._spare_ttl_ms(), after)
+
+    def _spare_ttl_ms(self) -> int:
+        return max(1, int(self.spare_ttl * 1000))
 
     @_translate_errors
     @_retried
