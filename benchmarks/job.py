@@ -9,9 +9,9 @@ the last ``keep_last`` checkpoints (kvckpt's ``keep_last=``; DCP's directories a
 after each save the process sleeps ``--gap`` seconds: the training steps between two saves,
 during which a GPU job leaves the host's cores idle and a store may get ready for the next save
 (kvckpt's LMDB engine faults in the next save's pages then, and Redis makes the spares the
-next save writes into). A job starts as kvckpt's docs
-recommend: ``get_ready(state_dict)`` on the LMDB writer and on ``Tiers``, then ``--gap`` seconds
-for the steps before the first checkpoint, for every system. Systems: kvckpt LMDB on /dev/shm,
+next save writes into). A job starts as kvckpt's docs recommend: ``get_ready(state_dict)`` on
+the LMDB and Redis writers and on ``Tiers``, then ``--gap`` seconds for the steps before the
+first checkpoint, for every system. Systems: kvckpt LMDB on /dev/shm,
 kvckpt Redis (a new redis-server), kvckpt ``Tiers`` (LMDB then Redis; the save returns when the
 local commit does, the copy runs in the gap), a raw-socket pipelined SET of the same bytes into
 the same kind of server (the floor for any Redis client), and DCP ``FileSystemWriter`` on
@@ -77,9 +77,12 @@ class Job:
             assert self.server is not None
             self.raw = RawRedis(self.server.port)
         # kvckpt's recommended start of a job: get the store ready for the saves to come while
-        # the steps before the first checkpoint run (a no-op for Redis)
+        # the steps before the first checkpoint run
         if name == "kvckpt LMDB":
             KVStorageWriter(f"lmdb://{base}/lmdb", keep_last=keep).get_ready(sd)
+        if name == "kvckpt Redis":
+            assert self.server is not None
+            KVStorageWriter(self.server.url(), keep_last=keep).get_ready(sd)
         if self.tiers is not None:
             self.tiers.get_ready(sd)
 

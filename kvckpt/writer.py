@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     SavePlan,
@@ -32,7 +31,6 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
-from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from . import events
@@ -57,6 +55,7 @@ from .keys import ItemLocation, index_name, meta_key, part_ranges, spare_key
 from .manage import NEVER, discard_save, list_checkpoints, preflight
 from .manage import gc as collect_garbage  # not the standard library's gc
 from .node import node_id, spare_cores
+from .ready import first_save_values, share_bytes
 from .staging import accelerator_available, advise_huge_pages
 from .stores import open_store
 
@@ -133,18 +132,6 @@ def _planned_bytes(item: WriteItem) -> int:
     if item.type == WriteItemType.BYTE_IO:
         return item.bytes_io_data.nbytes if item.bytes_io_data is not None else 0
     return item.tensor_storage_size() or 0
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a (nested) state dict."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
 
 
 #: The stores (by URL) whose saves in this process hash on a worker thread, though their
@@ -384,29 +371,21 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         Called once the state dict exists (after building the model and
         optimizer), this does that work in the background during the steps before the first
         checkpoint: LMDB sizes its map for the ``keep_last + 1`` saves it will hold and
-        allocates their pages on a background thread; other engines do nothing.
+        allocates their pages on a background thread; Redis makes spares of the first save's
+        values for it to write over (those known without collectives: every value in a job of
+        one rank, the chunks of unreplicated sharded tensors in a larger one); other engines
+        do nothing.
 
-        The size is this rank's share of a save, estimated without collectives: its local
-        shards of sharded tensors, and its part of the replicated tensors, which DCP spreads
-        evenly over the ranks that save them (a DTensor replicated over some mesh dimensions,
-        as under HSDP, counts once per replica). Pass plain state dicts: a ``Stateful`` object
-        (DCP's ``AppState`` pattern) counts for nothing here; pass its ``state_dict()``.
+        The size is this rank's share of a save, estimated without collectives
+        (``ready.share_bytes``). Pass plain state dicts: a ``Stateful`` object (DCP's
+        ``AppState`` pattern) counts for nothing here; pass its ``state_dict()``.
         """
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        shards = replicated = 0
-        for value in _tensors(state_dict):
-            if isinstance(value, DTensor):
-                # DCP keeps one copy of each chunk: replicas of a shard share its offsets.
-                replicas = 1
-                for dim, placement in enumerate(value.placements):
-                    if not placement.is_shard():
-                        replicas *= value.device_mesh.size(dim)
-                shards += -(-value.to_local().nbytes // replicas)
-            elif isinstance(value, ShardedTensor):
-                shards += sum(s.tensor.nbytes for s in value.local_shards())
-            else:
-                replicated += value.nbytes
-        self.engine.get_ready(shards + -(-replicated // world), self._saves_held())
+        self.engine.get_ready(share_bytes(state_dict, world), self._saves_held())
+        if self.engine.reuses_values:
+            rank = dist.get_rank() if world > 1 else 0
+            prefix, part_bytes = self.engine.prefix, self.part_bytes
+            self.engine.make_spares(first_save_values(state_dict, rank, world, prefix, part_bytes))
 
     def _saves_held(self) -> int | None:
         """How many saves the store holds at once at most: the ``keep_last`` kept and the one

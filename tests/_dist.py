@@ -304,3 +304,44 @@ def subgroup_restore_worker(rank: int, world_size: int, port: int, url: str, out
         with open(os.path.join(out, f"sub.rank{rank}.json"), "w") as f:
             json.dump({"exact": exact, "peers": reader.stats.peers, "raised": raised}, f)
     _finish()
+
+
+def first_save_spares_worker(rank: int, world_size: int, port: int, url: str) -> None:
+    """get_ready makes Redis spares for the values only this rank saves (its chunks of an
+    unreplicated DTensor; DCP picks who saves a replicated tensor only from every rank's
+    plan), and the first save writes over them."""
+    import redis
+
+    from kvckpt.engines._redis_spares import wait_ahead
+
+    _init(rank, world_size, port)
+    mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(7)
+    sd = {
+        "w": distribute_tensor(torch.randn(64, 1024, generator=g), mesh, [Shard(0)]),
+        "rep": distribute_tensor(torch.randn(64 * 1024, generator=g), mesh, [Replicate()]),
+        "plain": torch.randn(64 * 1024, generator=g),
+    }
+    writer = KVStorageWriter(url)
+    writer.get_ready(sd)
+    wait_ahead()
+    dist.barrier()
+    client = redis.Redis.from_url(url)
+    spares = sorted(k.decode() for k in client.scan_iter(match="kvckpt/spare/*"))
+    assert [s.split("/")[2] for s in spares] == [str(r) for r in range(world_size)], spares
+    assert all("/w@" in s for s in spares), spares
+    dist.barrier()
+    dcp.save(sd, storage_writer=writer, checkpoint_id="first")
+    assert not list(client.scan_iter(match="kvckpt/spare/*"))  # every one written over
+    loaded = {
+        "w": distribute_tensor(torch.zeros(64, 1024), mesh, [Shard(0)]),
+        "rep": distribute_tensor(torch.zeros(64 * 1024), mesh, [Replicate()]),
+        "plain": torch.zeros(64 * 1024),
+    }
+    dcp.load(loaded, storage_reader=KVStorageReader(url), checkpoint_id="first")
+    for name in sd:
+        assert torch.equal(
+            loaded[name].full_tensor() if name != "plain" else loaded[name],
+            sd[name].full_tensor() if name != "plain" else sd[name],
+        ), name
+    _finish()

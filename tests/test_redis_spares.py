@@ -15,7 +15,10 @@ from kvckpt import KVStorageReader, KVStorageWriter, Tiers, gc, list_checkpoints
 from kvckpt.engines._redis_spares import make_ahead, stop_ahead, wait_ahead
 from kvckpt.errors import StoreFullError
 from kvckpt.keys import data_prefix, spare_prefix
+from kvckpt.ready import first_save_values
 from kvckpt.testing import RedisServer, free_port
+from tests import _dist
+from tests._spawn import spawn
 
 MIB = 1 << 20
 
@@ -123,6 +126,34 @@ def test_spares_ahead_wait_for_the_saves_commit(redis_server: RedisServer, redis
     client.set("commit-record", b"1")
     wait_ahead()
     assert [client.strlen(k) for k in spares(redis_server)] == [128 * 1024] * 3
+
+
+def test_get_ready_makes_spares_for_the_first_save(
+    redis_server: RedisServer, redis_url: str
+) -> None:
+    sd = state(10, 0.0)
+    writer = KVStorageWriter(redis_url)  # no keep_last: no spares made after the save
+    writer.get_ready(sd)
+    wait_ahead()
+    client = redis_server.client()
+    made = spares(redis_server)
+    assert sorted(client.strlen(k) for k in made) == [2 * MIB + 128, 4 * MIB - 64, 4 * MIB - 64]
+    client.config_resetstat()
+    dcp.save(sd, storage_writer=writer, checkpoint_id="f0")
+    assert commands(redis_server, "setrange") == 3  # each large value wrote into its spare
+    assert spares(redis_server) == []
+    assert_equal(load(redis_url, "f0", sd), sd)
+
+
+def test_get_ready_in_a_job_of_two_ranks_makes_spares_only_for_what_each_alone_saves(
+    redis_url: str,
+) -> None:
+    spawn(_dist.first_save_spares_worker, 2, redis_url)
+
+
+def test_first_save_values_of_plain_tensors_in_a_larger_job_are_unknown() -> None:
+    """Which rank saves a replicated tensor, DCP decides from every rank's plan."""
+    assert first_save_values(state(10, 0.0), 1, 2, "kvckpt", 4 * MIB) == []
 
 
 def test_a_save_stops_the_spares_being_made_ahead(
