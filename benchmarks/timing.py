@@ -96,9 +96,10 @@ def take_turns(
 
 def settle() -> None:
     """Wait for the pages a new LMDB store gets ready in the background after its first save
-    (``Engine.get_ready``): a training job's steps overlap that work, the next case must not."""
+    (``Engine.get_ready``) and the spares Redis makes ahead of a job's next save
+    (``Engine.make_spares``): a training job's steps overlap that work, the next case must not."""
     for thread in threading.enumerate():
-        if thread.name == "kvckpt-lmdb-get-ready":
+        if thread.name in ("kvckpt-lmdb-get-ready", "kvckpt-redis-spares"):
             thread.join()
 
 
