@@ -56,8 +56,9 @@ def spare_prefix(prefix: str) -> str:
 
 
 def spare_key(prefix: str, data_key: str) -> str:
-    """Where retention keeps a deleted checkpoint's value for the next save to overwrite in
-    place (engines with ``reuses_values``): ``<prefix>/spare/<rank>/<item name>/<part>``
+    """Where retention keeps a deleted checkpoint's value, or a writer makes one ahead, for the
+    next save to overwrite in place (engines with ``reuses_values``):
+    ``<prefix>/spare/<rank>/<item name>/<part>``
     (format 1: ``<n>``, the item's place in the rank's plan), the last three fields of its data
     key, which the same state dict gives the same size every save."""
     return spare_prefix(prefix) + "/".join(data_key.rsplit("/", 3)[-3:])

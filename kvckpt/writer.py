@@ -134,6 +134,14 @@ def _planned_bytes(item: WriteItem) -> int:
     return item.tensor_storage_size() or 0
 
 
+def _make_spares(engine: Engine, values: list[tuple[str, int]], after: str | None = None) -> None:
+    """``Engine.make_spares``, a head start for the next save: never a reason to fail this one."""
+    try:
+        engine.make_spares(values, after=after)
+    except Exception as e:
+        logger.info("no spares made ahead of the next save to %s: %s", engine.url, e)
+
+
 #: The stores (by URL) whose saves in this process hash on a worker thread, though their
 #: engine can hash as it sends: a save measured its inline hashing above ``_HASH_ASIDE_ABOVE``
 #: of its write time, with a core to spare (``_Checksums.learn``).
@@ -385,7 +393,9 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         if self.engine.reuses_values:
             rank = dist.get_rank() if world > 1 else 0
             prefix, part_bytes = self.engine.prefix, self.part_bytes
-            self.engine.make_spares(first_save_values(state_dict, rank, world, prefix, part_bytes))
+            _make_spares(
+                self.engine, first_save_values(state_dict, rank, world, prefix, part_bytes)
+            )
 
     def _saves_held(self) -> int | None:
         """How many saves the store holds at once at most: the ``keep_last`` kept and the one
@@ -610,17 +620,21 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         written, for the next save to write over (Redis: the server allocates them while
         training runs, not during that save: they are made once its commit record exists).
         Reads the catalog index, one key. Not in a node-local store that holds no metadata
-        (its retention is ``tidy_remote_store``)."""
+        (its retention is ``tidy_remote_store``), nor for a checkpoint id saved again (its
+        commit record exists already)."""
         remote = where.coordinator_store not in (None, _store_identity(self.engine))
         if not written or self.keep_last is None or remote:
             return
+        checkpoint_id = self._require_id()
         try:
-            complete = sum(1 for info in list_checkpoints(self.engine) if info.complete)
+            infos = list_checkpoints(self.engine)
         except (KVCheckpointError, OSError):
             return  # an index that cannot be read: gc's to mend, and no reason to fail a save
-        if complete < self.keep_last:  # with this save's commit, still none beyond keep_last
-            commit = meta_key(self.engine.prefix, self._require_id(), self._local_rank_key())
-            self.engine.make_spares(written, after=commit)
+        complete = sum(1 for info in infos if info.complete)
+        # with fewer than keep_last committed, this save's commit makes retention delete none
+        if complete < self.keep_last and all(i.checkpoint_id != checkpoint_id for i in infos):
+            commit = meta_key(self.engine.prefix, checkpoint_id, self._local_rank_key())
+            _make_spares(self.engine, written, after=commit)
 
     def _session_id(self) -> str | None:
         return self.engine.session_id()

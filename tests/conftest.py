@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvckpt.engines._redis_spares import stop_ahead
 from kvckpt.testing import RedisServer, free_port
 
 __all__ = ["RedisServer", "free_port"]
@@ -22,6 +23,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
+    stop_ahead()  # an earlier test's spares in the making, waiting for a commit
     client = redis_server.client()
     client.flushall()
     client.close()

@@ -5,6 +5,7 @@ pages. Real redis-server; correctness only (the speed is benchmarks/job.py's).""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -159,15 +160,39 @@ def test_first_save_values_of_plain_tensors_in_a_larger_job_are_unknown() -> Non
 def test_a_save_stops_the_spares_being_made_ahead(
     redis_server: RedisServer, redis_url: str
 ) -> None:
-    """stop_ahead (as a save into the server calls it) returns once the thread has stopped:
-    no spare is made after it."""
-    url = redis_server.url()
-    wanted = [(f"{spare_prefix('kvckpt')}0/x/{i}", 256 * 1024) for i in range(200)]
-    make_ahead(redis_server.client(), url, wanted, 60_000)
-    stop_ahead(url)
-    made = len(spares(redis_server))
-    time.sleep(0.2)
-    assert len(spares(redis_server)) == made <= 200
+    """stop_ahead (as a save into the server calls it) returns once the thread has stopped,
+    here while it waits for a commit record that never comes: nothing is made."""
+    wanted = [(f"{spare_prefix('kvckpt')}0/x/{i}", 256 * 1024) for i in range(4)]
+    make_ahead(redis_server.client(), "127.0.0.1:1", wanted, 60_000, after="never")
+    started = time.monotonic()
+    stop_ahead("127.0.0.1:1")
+    assert time.monotonic() - started < 5
+    assert not [t for t in threading.enumerate() if t.name == "kvckpt-redis-spares"]
+    assert spares(redis_server) == []
+
+
+def test_an_id_saved_again_gets_no_spares_ahead(redis_server: RedisServer, redis_url: str) -> None:
+    """Its commit record exists before its commit: spares made then would hold the commit up."""
+    save(redis_url, state(10, 0.0), "same", keep=3)
+    wait_ahead()
+    assert len(spares(redis_server)) == 3
+    save(redis_url, state(10, 1.0), "same", keep=3)  # writes over them
+    wait_ahead()
+    assert spares(redis_server) == []
+    assert_equal(load(redis_url, "same", state(10, 1.0)), state(10, 1.0))
+
+
+def test_no_spares_ahead_where_the_server_may_evict(tmp_path) -> None:
+    server = RedisServer(
+        tmp_path / "r", "--maxmemory", str(1 << 30), "--maxmemory-policy", "allkeys-lru"
+    )
+    try:
+        url = server.url(allow_eviction=1)
+        save(url, state(10, 0.0), "e0")
+        wait_ahead()
+        assert spares(server) == []
+    finally:
+        server.stop()
 
 
 def test_spares_that_cannot_be_made_are_logged_not_raised(

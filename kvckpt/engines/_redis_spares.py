@@ -13,17 +13,20 @@ allocates and zeroes it while training runs), and the next save finds them. A sa
 same server stops that thread first (``stop_ahead``), after the batch it is sending, so no
 spare is made that the save has already looked for.
 
-Spares ahead are made only where the server has room for twice their bytes under
-``maxmemory``: the last of a server's memory is left to the saves. Like retention's spares,
-they expire after ``spare_ttl`` seconds.
+Under ``maxmemory``, spares ahead are made only while the server has room for twice the bytes
+still to make, checked before each batch: the last of a server's memory is left to the saves
+(and nothing where the server may evict keys). Like retention's spares, they expire after
+``spare_ttl`` seconds.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import redis
 
@@ -33,12 +36,13 @@ logger = logging.getLogger(__name__)
 
 #: Keys per pipelined batch of ``retire``.
 _RETIRE_BATCH = 1000
-#: Spares per pipelined batch of ``make_ahead``: a save that comes waits for one batch at most.
-_AHEAD_BATCH = 4
-#: Seconds ``make_ahead`` waits for the save's commit before it gives up (a save that failed),
-#: and the longest pause between two looks.
-_COMMIT_WAIT_S = 120.0
-_COMMIT_POLL_MAX_S = 1.0
+#: Bytes per pipelined batch of ``make_ahead``: a save that comes waits for one batch at most.
+_AHEAD_BATCH_BYTES = 16 << 20
+#: Seconds ``make_ahead`` waits for the save's commit before it gives up (a save that failed;
+#: the next save stops it sooner), and the first and the longest pause between two looks.
+_COMMIT_WAIT_S = 600.0
+_COMMIT_POLL_S = 0.1
+_COMMIT_POLL_MAX_S = 2.0
 
 
 def retire(client: redis.Redis, keys: Sequence[tuple[str, str]], ttl_ms: int) -> int:
@@ -64,14 +68,31 @@ def retire(client: redis.Redis, keys: Sequence[tuple[str, str]], ttl_ms: int) ->
 class _Ahead:
     """One server's spares in the making."""
 
-    def __init__(self) -> None:
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
 
+    def end(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
 
-#: The spares being made, by server (``RedisEngine.url``).
+
+#: The spares being made, by server (``RedisEngine.address``: every database and prefix).
 _AHEAD: dict[str, _Ahead] = {}
 _LOCK = threading.Lock()
+
+
+def _after_fork() -> None:
+    """A fork copies the registry of threads the child does not have, and the lock as it was."""
+    global _LOCK
+    _LOCK = threading.Lock()
+    _AHEAD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def make_ahead(
@@ -82,51 +103,100 @@ def make_ahead(
     after: str | None = None,
 ) -> None:
     """Make a spare of each (name, bytes) on a background thread, once key ``after`` (a
-    save's commit record) exists, and return at once. Spares that exist are left as they are
-    (``SETRANGE`` at the last byte only grows a shorter one). Nothing is made where the server
-    lacks room, or where ``after`` does not appear within ``_COMMIT_WAIT_S``; a failure is
-    logged, never raised: the next save then writes without these spares."""
-    stop_ahead(server)
+    save's commit record, which must not exist yet) exists, and return at once. Spares that
+    exist are left as they are (``SETRANGE`` at the last byte only grows a shorter one). Under
+    ``maxmemory``, each batch is made only while the server has room for twice the bytes
+    still to make; nothing where its ``maxmemory-policy`` evicts. A failure is logged, never
+    raised: the next save then writes without these spares."""
+    ahead = _Ahead(client)
+    with _LOCK:
+        previous, _AHEAD[server] = _AHEAD.get(server), ahead
+    if previous is not None:
+        previous.end()
     if not spares:
         return
-    ahead = _Ahead()
 
     def work() -> None:
         try:
-            pause, deadline = 0.05, time.monotonic() + _COMMIT_WAIT_S
-            while after is not None and not client.exists(after):
-                if ahead.stop.wait(pause) or time.monotonic() > deadline:
-                    return
-                pause = min(2 * pause, _COMMIT_POLL_MAX_S)
-            mem = client.info("memory")
-            limit, used = int(mem.get("maxmemory", 0)), int(mem.get("used_memory", 0))
-            if limit and limit - used < 2 * sum(n for _, n in spares):
+            if after is not None and not _committed(client, after, ahead.stop):
                 return
-            for start in range(0, len(spares), _AHEAD_BATCH):
-                if ahead.stop.is_set():
+            left = sum(n for _, n in spares)
+            for batch in _batches(spares):
+                if ahead.stop.is_set() or not _room(client, left):
                     return
                 pipe = client.pipeline(transaction=False)
-                for name, nbytes in spares[start : start + _AHEAD_BATCH]:
+                for name, nbytes in batch:
                     pipe.setrange(name, nbytes - 1, b"\0")
                     pipe.pexpire(name, ttl_ms)
+                    left -= nbytes
                 pipe.execute()
         except (redis.RedisError, OSError) as e:
             logger.info("spares ahead of the next save to %s not made: %s", server, e)
 
     ahead.thread = threading.Thread(target=work, name="kvckpt-redis-spares", daemon=True)
-    with _LOCK:
-        _AHEAD[server] = ahead
     ahead.thread.start()
 
 
-def stop_ahead(server: str) -> None:
-    """Stop making spares for ``server`` after the batch being sent, and wait for it."""
+def _committed(client: redis.Redis, key: str, stop: threading.Event) -> bool:
+    """Whether ``key`` appeared before ``stop`` or ``_COMMIT_WAIT_S``. Looks at growing
+    intervals, each a little random, so the ranks of a large job do not look at once."""
+    pause, deadline = _COMMIT_POLL_S, time.monotonic() + _COMMIT_WAIT_S
+    while not client.exists(key):
+        if stop.wait(pause * random.uniform(0.5, 1.5)):
+            return False
+        if time.monotonic() > deadline:
+            logger.info("no spares made ahead: %s did not appear in %g s", key, _COMMIT_WAIT_S)
+            return False
+        pause = min(2 * pause, _COMMIT_POLL_MAX_S)
+    return True
+
+
+def _room(client: redis.Redis, nbytes: int) -> bool:
+    """Whether the server has room for twice ``nbytes`` (always, without ``maxmemory``), and
+    keeps every key (``noeviction``)."""
+    mem = client.info("memory")
+    if mem.get("maxmemory_policy", "noeviction") != "noeviction":
+        return False
+    limit, used = int(mem.get("maxmemory", 0)), int(mem.get("used_memory", 0))
+    return not limit or limit - used >= 2 * nbytes
+
+
+def _batches(spares: Sequence[tuple[str, int]]) -> Iterator[list[tuple[str, int]]]:
+    """``spares`` in batches of about ``_AHEAD_BATCH_BYTES`` (one spare at least)."""
+    batch: list[tuple[str, int]] = []
+    size = 0
+    for spare in spares:
+        batch.append(spare)
+        size += spare[1]
+        if size >= _AHEAD_BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def stop_ahead(server: str | None = None) -> None:
+    """Stop making spares for ``server`` (every server: None) after the batch being sent,
+    and wait for that."""
     with _LOCK:
-        ahead = _AHEAD.pop(server, None)
-    if ahead is not None:
-        ahead.stop.set()
-        if ahead.thread is not None:
-            ahead.thread.join()
+        if server is None:
+            stopping = list(_AHEAD.values())
+            _AHEAD.clear()
+        else:
+            one = _AHEAD.pop(server, None)
+            stopping = [] if one is None else [one]
+    for ahead in stopping:
+        ahead.end()
+
+
+def stop_ahead_of(client: redis.Redis) -> None:
+    """Stop the spares being made through ``client`` (an engine closing its connections)."""
+    with _LOCK:
+        stopping = [a for a in _AHEAD.values() if a.client is client]
+        for server in [k for k, a in _AHEAD.items() if a.client is client]:
+            del _AHEAD[server]
+    for ahead in stopping:
+        ahead.end()
 
 
 def wait_ahead() -> None:

@@ -399,6 +399,7 @@ class RedisEngine(RedisSettings):
 
     def close(self) -> None:
         if self._client_obj is not None:
+            spares.stop_ahead_of(self._client_obj)  # would reconnect through this client
             self._client_obj.close()
             self._client_obj.connection_pool.disconnect()
             self._client_obj = None
@@ -432,7 +433,7 @@ class RedisEngine(RedisSettings):
         spare's memory (``SETRANGE key 0``); a spare of another size is replaced by a SET."""
         spare_of = spare_of if self.reuses_values else None
         if spare_of is not None:
-            spares.stop_ahead(self.url)  # none made behind the checks for existing ones
+            spares.stop_ahead(self.address)  # none made behind the checks for existing ones
         hashing = on_value if hasher is not None else None
 
         def work(conn: Any) -> None:
@@ -547,7 +548,7 @@ class RedisEngine(RedisSettings):
         spares over (``_redis_spares``)."""
         if self.reuses_values:
             wanted = [(name, n) for name, n in values if n >= _REUSE_FROM]
-            spares.make_ahead(self._client, self.url, wanted, self._spare_ttl_ms(), after)
+            spares.make_ahead(self._client, self.address, wanted, self._spare_ttl_ms(), after)
 
     def _spare_ttl_ms(self) -> int:
         return max(1, int(self.spare_ttl * 1000))
