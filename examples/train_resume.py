@@ -378,7 +378,11 @@ def main() -> None:
         action="store_true",
         help="Tiers.prefetch(force=True): prefetch even where no core is spare",
     )
-    ap.add_argument("--kill-at-step", type=int, help="SIGKILL --kill-rank at this step (1st run)")
+    ap.add_argument(
+        "--kill-at-step",
+        type=int,
+        help="SIGKILL --kill-rank at this step (1st run), once the saves before it are copied",
+    )
     ap.add_argument("--kill-rank", type=int, default=1)
     ap.add_argument(
         "--wipe-on-restart",
@@ -521,8 +525,10 @@ def main() -> None:
     staged = True  # whether the save in flight has its copy of the state
     save_event: dict[str, Any] = {}
     while step < args.steps:
-        if attempt == 0 and step == args.kill_at_step and rank == args.kill_rank:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if attempt == 0 and step == args.kill_at_step:
+            store.wait()  # the saves so far have reached every store: the restart can find them
+            if rank == args.kill_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
         loss = trainer.compute(step)
         if not staged:  # the optimizer step changes the state: the copy must be taken
             started = time.perf_counter()
