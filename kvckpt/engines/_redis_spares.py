@@ -109,12 +109,6 @@ def make_ahead(
     still to make; nothing where its ``maxmemory-policy`` evicts. A failure is logged, never
     raised: the next save then writes without these spares."""
     ahead = _Ahead(client)
-    with _LOCK:
-        previous, _AHEAD[server] = _AHEAD.get(server), ahead
-    if previous is not None:
-        previous.end()
-    if not spares:
-        return
 
     def work() -> None:
         try:
@@ -134,7 +128,13 @@ def make_ahead(
             logger.info("spares ahead of the next save to %s not made: %s", server, e)
 
     ahead.thread = threading.Thread(target=work, name="kvckpt-redis-spares", daemon=True)
-    ahead.thread.start()
+    with _LOCK:  # registered started, so that whoever finds it can join it
+        previous = _AHEAD.pop(server, None)
+        if spares:
+            _AHEAD[server] = ahead
+            ahead.thread.start()
+    if previous is not None:
+        previous.end()
 
 
 def _committed(client: redis.Redis, key: str, stop: threading.Event) -> bool:
@@ -192,10 +192,10 @@ def stop_ahead(server: str | None = None) -> None:
 def stop_ahead_of(client: redis.Redis) -> None:
     """Stop the spares being made through ``client`` (an engine closing its connections)."""
     with _LOCK:
-        stopping = [a for a in _AHEAD.values() if a.client is client]
-        for server in [k for k, a in _AHEAD.items() if a.client is client]:
+        stopping = {k: a for k, a in _AHEAD.items() if a.client is client}
+        for server in stopping:
             del _AHEAD[server]
-    for ahead in stopping:
+    for ahead in stopping.values():
         ahead.end()
 
 
