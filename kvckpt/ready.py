@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.tensor import DTensor
 
 from .keys import ItemLocation, index_name, part_ranges, spare_key
@@ -86,14 +86,10 @@ def first_save_values(
                 isinstance(value, DTensor) and replicas(value) > 1
             ):
                 continue
-        nbytes = math.prod(item.tensor_data.chunk.sizes) * _itemsize(item)
+        data = item.tensor_data
+        nbytes = math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
         loc = ItemLocation(rank, 0, nbytes, part_bytes, name=index_name(item.index))
         ranges = part_ranges(nbytes, part_bytes)
         for key, (start, stop) in zip(loc.keys(prefix, "next", "next"), ranges, strict=True):
             values.append((spare_key(prefix, key), stop - start))
     return values
-
-
-def _itemsize(item: WriteItem) -> int:
-    assert item.tensor_data is not None
-    return torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()

@@ -103,8 +103,8 @@ def make_ahead(
     after: str | None = None,
 ) -> None:
     """Make a spare of each (name, bytes) on a background thread, once key ``after`` (a
-    save's commit record, which must not exist yet) exists, and return at once. Spares that
-    exist are left as they are (``SETRANGE`` at the last byte only grows a shorter one). Under
+    save's commit record, which must not exist yet) exists, and return at once. A spare that
+    exists keeps its memory (``SETRANGE`` zeroes its last byte, and grows a shorter one). Under
     ``maxmemory``, each batch is made only while the server has room for twice the bytes
     still to make; nothing where its ``maxmemory-policy`` evicts. A failure is logged, never
     raised: the next save then writes without these spares."""
