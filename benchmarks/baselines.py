@@ -1,6 +1,7 @@
 """The baselines ``benchmarks/run.py`` measures kvckpt against, with no kvckpt around them:
-the smallest pipelined Redis client, LMDB's own put, glibc's memcpy of the same parts, and the
-two ways of writing them into new memory (``NewFileWrites``)."""
+the smallest pipelined Redis client, LMDB's own put, glibc's memcpy of the same parts, the
+checksum's speed from the CPU's cache, and the two ways of writing the parts into new memory
+(``NewFileWrites``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from timing import timed
 from workload import KIB, MIB, nbytes, tensor_parts, zeros_like
 
 from kvckpt.engines._pages import _populate_write
+from kvckpt.format import new_checksum
 
 
 class RawRedis:
@@ -152,6 +154,24 @@ def memcpy_times(sd: dict[str, torch.Tensor], part: int, repeats: int) -> list[f
         if not torch.equal(t, dest[name]):
             raise AssertionError(f"memcpy differs at {name}")
     return times
+
+
+def checksum_from_cache_times(repeats: int, piece: int = MIB, total: int = 1 << 30) -> list[float]:
+    """Seconds of the checkpoint format's checksum (``kvckpt.format.new_checksum``, xxh3) fed
+    ``total`` bytes from one ``piece``-byte buffer that stays in the CPU's cache, one thread:
+    the hash's own speed, the part of a verified copy that copying cannot hide (a load copies
+    a piece, then hashes it from the cache)."""
+    buf = torch.randint(0, 256, (piece,), dtype=torch.uint8).numpy().data
+    pieces = total // piece
+
+    def hash_all() -> None:
+        h = new_checksum()
+        for _ in range(pieces):
+            h.update(buf)
+        h.intdigest()
+
+    hash_all()
+    return timed(hash_all, repeats)
 
 
 class NewFileWrites:

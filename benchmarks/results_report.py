@@ -1,6 +1,6 @@
-"""``benchmarks/run.py``'s report: where it ran (the CPU, memcpy's GB/s, LMDB's put ceiling)
-and whether it met its targets, above the table of every row (``targets.rows``), written to
-``results.json``, ``results.md`` and ``results.png``."""
+"""``benchmarks/run.py``'s report: where it ran (the CPU, memcpy's GB/s, LMDB's put ceiling,
+xxh3's speed) and whether it met its targets, above the table of every row (``targets.rows``),
+written to ``results.json``, ``results.md`` and ``results.png``."""
 
 from __future__ import annotations
 
@@ -46,6 +46,23 @@ def piece_line(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def checksum_line(r: dict[str, Any]) -> list[str]:
+    """The checksum's own speed, and the least a verified copy on one core costs with it: the
+    hash's time is compute that copying does not hide, so a copy at memcpy's speed that hashes
+    what it copies takes at least memcpy's GB/s / the hash's GB/s longer."""
+    if "checksum_from_cache" not in r:
+        return []
+    hashing = r["checksum_from_cache"]["gbps"]
+    line = f"- the checksum (xxh3), one thread, from the CPU's cache: {hashing:.1f} GB/s"
+    if "store_mode_default_memcpy" in r:
+        floor = r["store_mode_default_memcpy"]["gbps"] / hashing
+        line += (
+            f"; a copy at memcpy's speed that hashes what it copies takes at least {floor:.3f}"
+            " longer (the floor of a verified load's checksum cost on this CPU)"
+        )
+    return [line]
+
+
 def header(r: dict[str, Any], rows: list[Row]) -> str:
     """Where the run ran and whether it passed: the CPU, memcpy's GB/s and LMDB's put ceiling
     on it, the date and command, the load average as it started, and the targets met and
@@ -80,6 +97,7 @@ def header(r: dict[str, Any], rows: list[Row]) -> str:
         + (", ".join(memcpy) if memcpy else "not measured in this run"),
         "- LMDB's put ceiling (its own put of the same values into a store that holds the "
         f"previous ones, one write transaction, no kvckpt): {ceiling}",
+        *checksum_line(r),
         *piece_line(r),
         f"- {r['date']}; `{r['command']}`"
         + (

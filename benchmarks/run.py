@@ -4,15 +4,16 @@
     python benchmarks/run.py --size-mib 8 --repeats 1 --small-tensors 200   # smoke run (CI)
     python benchmarks/run.py --check               # exit 1 naming each target not met
 
-Baselines: DCP FileSystemWriter/Reader on /dev/shm and on disk, torch.save/load on /dev/shm,
-a minimal raw-socket Redis client (pipelined SET from memory, GET with recv_into straight into
-a preallocated buffer), raw LMDB put/get, glibc's memcpy. kvckpt: LMDB (first save into a new
-store, steady state with keep_last, load), Redis (save into an empty server and steady saves
-with keep_last, load), 10,000 small tensors, dcp.async_save blocking time, and peak anonymous
-RSS. The 1 GiB saves (kvckpt's, the raw-socket SET, DCP's t=1 and t=2) take turns, as do the
-loads. Figures are medians; ratios are taken within this run, and each row says which way is
-better. Writes results.json, results.md (the CPU, memcpy's GB/s and LMDB's put ceiling, then
-every row with its target and whether it passed) and results.png to --out.
+Baselines: DCP FileSystemWriter/Reader on /dev/shm and on disk, torch.save/load on /dev/shm, a
+minimal raw-socket Redis client (pipelined SET from memory, GET with recv_into straight into a
+preallocated buffer), raw LMDB put/get, glibc's memcpy, xxh3 from the CPU's cache. kvckpt: LMDB
+(first save into a new store, steady state with keep_last, load), Redis (save into an empty
+server and steady saves with keep_last, load), 10,000 small tensors, dcp.async_save blocking
+time, and peak anonymous RSS. The 1 GiB saves (kvckpt's, the raw-socket SET, DCP's t=1 and t=2)
+take turns, as do the loads. Figures are medians; ratios are taken within this run, and each
+row says which way is better. Writes results.json, results.md (the CPU, memcpy's GB/s, LMDB's
+put ceiling and the checksum's speed, then every row with its target and whether it passed) and
+results.png to --out.
 """
 
 # The modules, each importing only modules below it in this list:
@@ -22,7 +23,7 @@ every row with its target and whether it passed) and results.png to --out.
 #   report.py          tables and files, shared by every benchmark
 #   bench.py           the sections of a run, in the order they run
 #   store_mode.py      the sections' processes of their own (glibc's memcpy settings)
-#   baselines.py       the raw-socket Redis client, LMDB's own put, memcpy
+#   baselines.py       the raw-socket Redis client, LMDB's own put, memcpy, xxh3
 #   timing.py          timing in a block, taking turns, peak RSS
 #   workload.py        the state dict
 
@@ -37,11 +38,13 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from statistics import median
 
 import bench
 import results_report
 import targets
 import torch
+from baselines import checksum_from_cache_times
 from report import cpu_name
 
 from kvckpt.engines._piece_choice import COPY_HASH_PIECE
@@ -102,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         results = bench.run(args)
         results["loadavg_start"] = loadavg
         results["cpu"] = cpu_name()
+        hash_s = median(checksum_from_cache_times(repeats=7))
+        results["checksum_from_cache"] = {"median_s": hash_s, "gbps": 2**30 / hash_s / 1e9}
         results["copy_hash_piece"] = {  # chosen by timing the run's first verified loads
             "chosen": COPY_HASH_PIECE.chosen,
             "ms_per_gib": {str(c): m * 2**30 * 1e3 for c, m in COPY_HASH_PIECE.medians().items()},

@@ -54,6 +54,7 @@ def test_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
         "store_mode_nt_raw_put",
         "store_mode_default_memcpy",
         "store_mode_nt_memcpy",
+        "checksum_from_cache",
     ):
         assert data[case]["gbps"] > 0, case
     metrics = {r["metric"] for r in data["ratios"]}
@@ -64,6 +65,8 @@ def test_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
     assert report.startswith(f"- CPU: {data['cpu']}")
     assert "- memcpy, one thread" in report and " GB/s with glibc's default" in report
     assert "copy-and-hash piece, chosen by timing" in report
+    assert "- the checksum (xxh3), one thread, from the CPU's cache: " in report
+    assert "longer (the floor of a verified load's checksum cost on this CPU)" in report
     assert "| metric | better | measured | target | pass | note |" in report
     assert (out / "results.png").stat().st_size > 1000
 
