@@ -165,6 +165,23 @@ OTHER_SPEED_UPS = [
 
 #: The two ways of writing a state dict into new memory with nothing around them
 #: (``baselines.NewFileWrites``), against each other and against the saves that take them.
+#: The save into an empty server, against one whose allocator takes transparent huge pages
+#: (``bench.HUGE_PAGES_ENV``): what the server's allocation of new memory costs
+HUGE_PAGE_SERVER = [
+    (
+        "Redis save into an empty server on huge pages / DCP FS shm t=1, taking turns",
+        "kv_redis_save_huge_pages",
+        "dcp_fs_shm_save_t1_turns",
+        "server: MALLOC_CONF=thp:always, disable-thp no",
+    ),
+    (
+        "Redis save into an empty server on huge pages / on the default server, taking turns",
+        "kv_redis_save_huge_pages",
+        "kv_redis_save",
+        "",
+    ),
+]
+
 FIRST_SAVE_WAYS = [
     (
         "new memory, mapped in on two threads then copied (LMDB's way, no LMDB) / two threads of "
@@ -267,6 +284,17 @@ def rows(r: dict[str, Any]) -> list[Row]:
     out = [Row(f"{m} (speed-up)", g(c) / g(b), HIGHER, n) for m, c, b, n in SPEED_UPS]
     if "new_file_write_t2" in r:  # (runs before these cases existed lack them)
         out += [Row(f"{m} (speed-up)", g(c) / g(b), HIGHER, n) for m, c, b, n in FIRST_SAVE_WAYS]
+    if "kv_redis_save_huge_pages" in r:
+        held = r.get("redis_huge_pages_bytes", 0) / 2**20
+        out += [
+            Row(
+                f"{m} (speed-up)",
+                g(c) / g(b),
+                HIGHER,
+                f"{n}; {held:.0f} MiB in huge pages" if n else n,
+            )
+            for m, c, b, n in HUGE_PAGE_SERVER
+        ]
     out += [Row(f"{m} (time ratio)", t(c) / t(b), LOWER, n) for m, c, b, n in TIME_RATIOS]
     for label, ours in (("LMDB", "kv_lmdb_huge"), ("Redis", "kv_redis_huge")):
         total = sum(runs(f"async_block_{ours}")) / sum(runs("async_block_dcp_fs_shm"))

@@ -55,10 +55,12 @@ def test_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
         "store_mode_default_memcpy",
         "store_mode_nt_memcpy",
         "checksum_from_cache",
+        "kv_redis_save_huge_pages",
     ):
         assert data[case]["gbps"] > 0, case
     metrics = {r["metric"] for r in data["ratios"]}
     assert metrics >= set(targets(monkeypatch).TARGETS)  # every target row measured
+    assert any("on huge pages / DCP FS shm t=1" in m for m in metrics)
     assert {r["better"] for r in data["ratios"]} == {"higher", "lower"}
     assert data["cpu"]
     report = (out / "results.md").read_text()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import fakeredis
 import pytest
@@ -300,6 +301,36 @@ def test_redis_over_a_unix_socket(tmp_path) -> None:
         with pytest.raises(StoreUnavailableError) as info:
             open_store(f"unix://:wrong@{sock}?db=3").get("x")
         assert str(sock) in str(info.value) and "wrong" not in str(info.value)
+    finally:
+        server.stop()
+
+
+def test_a_redis_server_on_huge_pages_as_the_tutorial_starts_it(tmp_path) -> None:
+    """docs/TUTORIAL.md's server with its allocator on transparent huge pages starts with those
+    settings and serves a save and a load bit-exact; where the kernel allows huge pages, the
+    allocator took some (the environment reached it: Redis overwrites its own
+    ``/proc/PID/environ`` with its process title)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from kvckpt import KVStorageReader, KVStorageWriter
+    from kvckpt.testing import RedisServer
+
+    env = {"MALLOC_CONF": "thp:always", "JE_MALLOC_CONF": "thp:always"}
+    server = RedisServer(tmp_path / "srv", "--disable-thp", "no", env=env)
+    try:
+        assert server.proc is not None
+        assert server.client().config_get("disable-thp") == {"disable-thp": "no"}
+        sd = {"w": torch.randn(4 << 20), "b": torch.arange(10)}
+        dcp.save(sd, storage_writer=KVStorageWriter(server.url()), checkpoint_id="s1")
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        dcp.load(out, storage_reader=KVStorageReader(server.url()), checkpoint_id="s1")
+        assert all(torch.equal(out[k], sd[k]) for k in sd)
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+        if thp.exists() and "[never]" not in thp.read_text():
+            rollup = Path(f"/proc/{server.proc.pid}/smaps_rollup").read_text()
+            huge = next(line for line in rollup.splitlines() if line.startswith("AnonHugePages"))
+            assert int(huge.split()[1]) > 0, rollup
     finally:
         server.stop()
 

@@ -7,6 +7,7 @@ way kvckpt's own tests and benchmarks do.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import shutil
 import socket
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +60,13 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server child process, started and stopped by the test suite."""
 
-    def __init__(self, workdir: Path, *extra: str, port: int | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *extra: str,
+        port: int | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed: apt-get install redis-server")
@@ -83,12 +91,17 @@ class RedisServer:
             str(workdir / "redis.log"),
             *extra,
         ]
+        #: Variables set for the server on top of this process's environment
+        self.env = dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            self.args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, **self.env} if self.env else None,
         )
         client = redis.Redis(port=self.port, socket_connect_timeout=1)
         deadline = time.monotonic() + 20
