@@ -127,8 +127,9 @@ class Bench:
         )
 
     def close(self) -> None:
-        self.server.stop()
-        self.huge_server.stop()
+        for server in (self.server, self.huge_server):
+            server.stop()
+            shutil.rmtree(server.workdir, ignore_errors=True)
         shutil.rmtree(self.scratch, ignore_errors=True)
         shutil.rmtree(self.disk, ignore_errors=True)
 
