@@ -182,6 +182,23 @@ HUGE_PAGE_SERVER = [
     ),
 ]
 
+#: LMDB's steady save with parts larger than glibc's non-temporal threshold
+#: (``bench.BIG_LMDB_PARTS``)
+BIG_LMDB_PARTS = [
+    (
+        "LMDB save steady, part_bytes=256MiB / with the default 4 MiB parts, taking turns",
+        "kv_lmdb_save_steady_big_parts",
+        "kv_lmdb_save_steady",
+        "",
+    ),
+    (
+        "LMDB save steady, part_bytes=256MiB / DCP FS shm t=2, taking turns",
+        "kv_lmdb_save_steady_big_parts",
+        "dcp_fs_shm_save_t2_turns",
+        "",
+    ),
+]
+
 FIRST_SAVE_WAYS = [
     (
         "new memory, mapped in on two threads then copied (LMDB's way, no LMDB) / two threads of "
@@ -284,6 +301,8 @@ def rows(r: dict[str, Any]) -> list[Row]:
     out = [Row(f"{m} (speed-up)", g(c) / g(b), HIGHER, n) for m, c, b, n in SPEED_UPS]
     if "new_file_write_t2" in r:  # (runs before these cases existed lack them)
         out += [Row(f"{m} (speed-up)", g(c) / g(b), HIGHER, n) for m, c, b, n in FIRST_SAVE_WAYS]
+    if "kv_lmdb_save_steady_big_parts" in r:
+        out += [Row(f"{m} (speed-up)", g(c) / g(b), HIGHER, n) for m, c, b, n in BIG_LMDB_PARTS]
     if "kv_redis_save_huge_pages" in r:
         held = r.get("redis_huge_pages_bytes", 0) / 2**20
         out += [

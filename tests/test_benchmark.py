@@ -56,6 +56,7 @@ def test_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
         "store_mode_nt_memcpy",
         "checksum_from_cache",
         "kv_redis_save_huge_pages",
+        "kv_lmdb_save_steady_big_parts",
     ):
         assert data[case]["gbps"] > 0, case
     metrics = {r["metric"] for r in data["ratios"]}
