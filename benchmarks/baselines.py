@@ -156,11 +156,13 @@ def memcpy_times(sd: dict[str, torch.Tensor], part: int, repeats: int) -> list[f
     return times
 
 
-def checksum_from_cache_times(repeats: int, piece: int = MIB, total: int = 1 << 30) -> list[float]:
-    """Seconds of the checkpoint format's checksum (``kvckpt.format.new_checksum``, xxh3) fed
-    ``total`` bytes from one ``piece``-byte buffer that stays in the CPU's cache, one thread:
-    the hash's own speed, the part of a verified copy that copying cannot hide (a load copies
-    a piece, then hashes it from the cache)."""
+def checksum_from_cache_times(
+    repeats: int, piece: int = MIB, total: int = 1 << 30
+) -> tuple[int, list[float]]:
+    """Bytes hashed and seconds of each of ``repeats`` runs of the checkpoint format's checksum
+    (``kvckpt.format.new_checksum``, xxh3) fed ``total`` bytes from one ``piece``-byte buffer
+    that stays in the CPU's cache, one thread: the hash's own speed, the part of a verified
+    copy that copying cannot hide (a load copies a piece, then hashes it from the cache)."""
     buf = torch.randint(0, 256, (piece,), dtype=torch.uint8).numpy().data
     pieces = total // piece
 
@@ -171,7 +173,7 @@ def checksum_from_cache_times(repeats: int, piece: int = MIB, total: int = 1 << 
         h.intdigest()
 
     hash_all()
-    return timed(hash_all, repeats)
+    return pieces * piece, timed(hash_all, repeats)
 
 
 class NewFileWrites:

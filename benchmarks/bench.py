@@ -43,9 +43,9 @@ from kvckpt.testing import RedisServer
 #: ``always``). A new value's memory then faults in 2 MiB at a time, not 4 KiB.
 HUGE_PAGES_ENV = {"MALLOC_CONF": "thp:always", "JE_MALLOC_CONF": "thp:always"}
 HUGE_PAGES_ARGS = ("--disable-thp", "no")
-#: An LMDB part size above glibc's non-temporal threshold on current server CPUs (three
-#: quarters of the CPU's shared cache, or of a thread's share of it): LMDB's copy of a part
-#: that large writes around the cache instead of reading each destination line first.
+#: An LMDB part size above glibc's non-temporal threshold on current server CPUs (glibc
+#: derives it from the CPU's cache sizes): LMDB's copy of a part that large writes around the
+#: cache instead of reading each destination line first.
 BIG_LMDB_PARTS = "256MiB"
 
 
@@ -80,12 +80,6 @@ class Bench:
         self.redis_url = self.server.url()
         self.unix_url = f"unix://{unix_socket}"
         self.client = self.server.client()
-        #: The same server on huge pages, for the save into an empty server
-        self.huge_server = RedisServer(
-            Path(tempfile.mkdtemp(prefix="kvckpt-bench-redis-")),
-            *HUGE_PAGES_ARGS,
-            env=HUGE_PAGES_ENV,
-        )
         self.results: dict[str, Any] = {}
         self._seq = iter(range(10**9))
         #: Checkpoint ids that never repeat (saves with keep_last)
@@ -131,9 +125,8 @@ class Bench:
         )
 
     def close(self) -> None:
-        for server in (self.server, self.huge_server):
-            server.stop()
-            shutil.rmtree(server.workdir, ignore_errors=True)
+        self.server.stop()
+        shutil.rmtree(self.server.workdir, ignore_errors=True)
         shutil.rmtree(self.scratch, ignore_errors=True)
         shutil.rmtree(self.disk, ignore_errors=True)
 
@@ -272,7 +265,14 @@ class Bench:
         first = _FirstStores(self)
         dcp_dirs = _DcpDirs(self)
         steady_redis = self.server.url(db=1)
-        huge_url, flush_huge = self.huge_server.url(), self.huge_server.client().flushdb
+        # the same server on huge pages, for the save into an empty server
+        huge = RedisServer(
+            Path(tempfile.mkdtemp(prefix="kvckpt-bench-redis-")),
+            *HUGE_PAGES_ARGS,
+            env=HUGE_PAGES_ENV,
+        )
+        huge_client = huge.client()
+        huge_url, flush_huge = huge.url(), huge_client.flushdb
         big_parts_path = self.fresh(self.scratch)
         big_parts = f"lmdb://{big_parts_path}?part_bytes={BIG_LMDB_PARTS}"
         for url in (steady, steady_redis, big_parts):
@@ -315,10 +315,12 @@ class Bench:
         self.client.flushall()
         close_idle_environments(str(big_parts_path))
         shutil.rmtree(big_parts_path, ignore_errors=True)
-        assert self.huge_server.proc is not None
+        assert huge.proc is not None
         self.kv_save(huge_url)()  # how much of a save's memory the server got in huge pages
-        self.results["redis_huge_pages_bytes"] = huge_page_bytes(self.huge_server.proc.pid)
-        flush_huge()
+        self.results["redis_huge_pages_bytes"] = huge_page_bytes(huge.proc.pid)
+        huge_client.close()
+        huge.stop()
+        shutil.rmtree(huge.workdir, ignore_errors=True)
 
     def save_checksums(self) -> None:
         """Steady saves with checksums (the default) and without, taking turns with each other

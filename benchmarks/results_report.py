@@ -47,9 +47,9 @@ def piece_line(r: dict[str, Any]) -> list[str]:
 
 
 def checksum_line(r: dict[str, Any]) -> list[str]:
-    """The checksum's own speed, and the least a verified copy on one core costs with it: the
-    hash's time is compute that copying does not hide, so a copy at memcpy's speed that hashes
-    what it copies takes at least memcpy's GB/s / the hash's GB/s longer."""
+    """The checksum's own speed, and the least it adds to a copy on one core that copies a
+    piece and then hashes it from the cache (a verified load's way): the hash's time, which
+    copying does not hide, memcpy's GB/s over the hash's of the copy's time."""
     if "checksum_from_cache" not in r:
         return []
     hashing = r["checksum_from_cache"]["gbps"]
@@ -57,8 +57,9 @@ def checksum_line(r: dict[str, Any]) -> list[str]:
     if "store_mode_default_memcpy" in r:
         floor = r["store_mode_default_memcpy"]["gbps"] / hashing
         line += (
-            f"; a copy at memcpy's speed that hashes what it copies takes at least {floor:.3f}"
-            " longer (the floor of a verified load's checksum cost on this CPU)"
+            f"; copying a piece, then hashing it from the cache, adds at least {floor:.3f} of"
+            " the copy's time (the floor of a verified load's checksum cost on this CPU; lower"
+            " is better)"
         )
     return [line]
 

@@ -163,8 +163,6 @@ OTHER_SPEED_UPS = [
     ),
 ]
 
-#: The two ways of writing a state dict into new memory with nothing around them
-#: (``baselines.NewFileWrites``), against each other and against the saves that take them.
 #: The save into an empty server, against one whose allocator takes transparent huge pages
 #: (``bench.HUGE_PAGES_ENV``): what the server's allocation of new memory costs
 HUGE_PAGE_SERVER = [
@@ -172,7 +170,7 @@ HUGE_PAGE_SERVER = [
         "Redis save into an empty server on huge pages / DCP FS shm t=1, taking turns",
         "kv_redis_save_huge_pages",
         "dcp_fs_shm_save_t1_turns",
-        "server: MALLOC_CONF=thp:always, disable-thp no",
+        "server: (JE_)MALLOC_CONF=thp:always, disable-thp no",
     ),
     (
         "Redis save into an empty server on huge pages / on the default server, taking turns",
@@ -199,6 +197,8 @@ BIG_LMDB_PARTS = [
     ),
 ]
 
+#: The two ways of writing a state dict into new memory with nothing around them
+#: (``baselines.NewFileWrites``), against each other and against the saves that take them.
 FIRST_SAVE_WAYS = [
     (
         "new memory, mapped in on two threads then copied (LMDB's way, no LMDB) / two threads of "

@@ -70,8 +70,7 @@ _GIB = 1 << 30
 #: URL option ``txn_bytes``.
 _TXN_BYTES = 1 * _GIB
 #: The largest value one key holds (URL option ``part_bytes``): parts that fit the CPU cache
-#: let a save hash each one just before LMDB copies it, from the cache (``HashesAhead``), and
-#: match Redis's, so a copy between the two sends parts as they are.
+#: let a save hash each one just before LMDB copies it, from the cache (``HashesAhead``).
 _PART_BYTES = 4 * _MIB
 _DELETE_BATCH = 10_000
 
