@@ -272,55 +272,57 @@ class Bench:
             env=HUGE_PAGES_ENV,
         )
         huge_client = huge.client()
-        huge_url, flush_huge = huge.url(), huge_client.flushdb
-        big_parts_path = self.fresh(self.scratch)
-        big_parts = f"lmdb://{big_parts_path}?part_bytes={BIG_LMDB_PARTS}"
-        for url in (steady, steady_redis, big_parts):
-            for _ in range(2):  # warm up: freed pages exist to be reused
-                self.steady_save(url)()
-        raw = RawRedis(self.server.port)
-        items = tensor_parts(sd, self.redis_part_bytes())
-        thread_hashing = kvckpt.open_store(redis_url)
-        thread_hashing.hashes_while_writing = False
-        lmdb_part = self.lmdb_part_bytes()
-        writes = NewFileWrites(sd, self.scratch / "writes", lmdb_part)
-        maps = NewFileWrites(sd, self.scratch / "maps", lmdb_part)
-        dcp_dirs.save_keep1()
-        self.record_turns(
-            {
-                "kv_lmdb_save_first": (first.save, first.next_store),
-                "kv_lmdb_save_steady": (self.steady_save(steady), None),
-                "kv_lmdb_save_steady_big_parts": (self.steady_save(big_parts), None),
-                "dcp_fs_shm_save_t1_turns": (dcp_dirs.save(1), dcp_dirs.next_dir(1)),
-                "dcp_fs_shm_save_t2_turns": (dcp_dirs.save(2), dcp_dirs.next_dir(2)),
-                "raw_redis_set": (lambda: raw.set_many(items), flush),
-                "kv_redis_save": (self.kv_save(redis_url), flush),
-                "kv_redis_save_nosum": (self.kv_save(redis_url, checksums=False), flush),
-                # checksums hashed on a worker thread while the engine sends (how engines
-                # without hashes_while_writing hash)
-                "kv_redis_save_sum_thread": (self.kv_save(thread_hashing), flush),
-                "kv_redis_unix_save": (self.kv_save(self.unix_url), flush),
-                "kv_redis_save_huge_pages": (self.kv_save(huge_url), flush_huge),
-                "kv_redis_save_steady": (self.steady_save(steady_redis), None),
-                "dcp_fs_shm_save_t1_keep1": (dcp_dirs.save_keep1, None),
-                # writing into new memory with nothing around it, each way (baselines.py)
-                "new_file_write_t2": (writes.write_t2, writes.next_files),
-                "new_file_map_copy_t2": (maps.map_copy_t2, maps.next_files),
-            }
-        )
-        writes.drop()
-        maps.drop()
-        first.drop()
-        dcp_dirs.drop()
-        self.client.flushall()
-        close_idle_environments(str(big_parts_path))
-        shutil.rmtree(big_parts_path, ignore_errors=True)
-        assert huge.proc is not None
-        self.kv_save(huge_url)()  # how much of a save's memory the server got in huge pages
-        self.results["redis_huge_pages_bytes"] = huge_page_bytes(huge.proc.pid)
-        huge_client.close()
-        huge.stop()
-        shutil.rmtree(huge.workdir, ignore_errors=True)
+        try:
+            huge_url, flush_huge = huge.url(), huge_client.flushdb
+            big_parts_path = self.fresh(self.scratch)
+            big_parts = f"lmdb://{big_parts_path}?part_bytes={BIG_LMDB_PARTS}"
+            for url in (steady, steady_redis, big_parts):
+                for _ in range(2):  # warm up: freed pages exist to be reused
+                    self.steady_save(url)()
+            raw = RawRedis(self.server.port)
+            items = tensor_parts(sd, self.redis_part_bytes())
+            thread_hashing = kvckpt.open_store(redis_url)
+            thread_hashing.hashes_while_writing = False
+            lmdb_part = self.lmdb_part_bytes()
+            writes = NewFileWrites(sd, self.scratch / "writes", lmdb_part)
+            maps = NewFileWrites(sd, self.scratch / "maps", lmdb_part)
+            dcp_dirs.save_keep1()
+            self.record_turns(
+                {
+                    "kv_lmdb_save_first": (first.save, first.next_store),
+                    "kv_lmdb_save_steady": (self.steady_save(steady), None),
+                    "kv_lmdb_save_steady_big_parts": (self.steady_save(big_parts), None),
+                    "dcp_fs_shm_save_t1_turns": (dcp_dirs.save(1), dcp_dirs.next_dir(1)),
+                    "dcp_fs_shm_save_t2_turns": (dcp_dirs.save(2), dcp_dirs.next_dir(2)),
+                    "raw_redis_set": (lambda: raw.set_many(items), flush),
+                    "kv_redis_save": (self.kv_save(redis_url), flush),
+                    "kv_redis_save_nosum": (self.kv_save(redis_url, checksums=False), flush),
+                    # checksums hashed on a worker thread while the engine sends (how engines
+                    # without hashes_while_writing hash)
+                    "kv_redis_save_sum_thread": (self.kv_save(thread_hashing), flush),
+                    "kv_redis_unix_save": (self.kv_save(self.unix_url), flush),
+                    "kv_redis_save_huge_pages": (self.kv_save(huge_url), flush_huge),
+                    "kv_redis_save_steady": (self.steady_save(steady_redis), None),
+                    "dcp_fs_shm_save_t1_keep1": (dcp_dirs.save_keep1, None),
+                    # writing into new memory with nothing around it, each way (baselines.py)
+                    "new_file_write_t2": (writes.write_t2, writes.next_files),
+                    "new_file_map_copy_t2": (maps.map_copy_t2, maps.next_files),
+                }
+            )
+            writes.drop()
+            maps.drop()
+            first.drop()
+            dcp_dirs.drop()
+            self.client.flushall()
+            close_idle_environments(str(big_parts_path))
+            shutil.rmtree(big_parts_path, ignore_errors=True)
+            assert huge.proc is not None
+            self.kv_save(huge_url)()  # how much of a save's memory the server got in huge pages
+            self.results["redis_huge_pages_bytes"] = huge_page_bytes(huge.proc.pid)
+        finally:  # a server outlives this process unless stopped
+            huge_client.close()
+            huge.stop()
+            shutil.rmtree(huge.workdir, ignore_errors=True)
 
     def save_checksums(self) -> None:
         """Steady saves with checksums (the default) and without, taking turns with each other
