@@ -230,7 +230,7 @@ class Bench:
 
     def store_mode(self) -> None:
         """The same new-store saves and LMDB's own steady put, each in a process of its own,
-        with glibc's default memcpy and with its non-temporal threshold at the 4 MiB part size
+        with glibc's default memcpy and with its non-temporal threshold at the part size
         (``GLIBC_TUNABLES``, read at a process's start), the two kinds of process taking turns.
 
         Below the threshold (three quarters of the shared cache the CPU reports), memcpy's

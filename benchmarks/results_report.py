@@ -14,7 +14,7 @@ from timing import p90
 from workload import MIB
 
 #: The two memcpy settings of the store-mode processes: (results key part, label)
-SETTINGS = (("default", "glibc's default"), ("nt", "non-temporal stores from 4 MiB"))
+SETTINGS = (("default", "glibc's default"), ("nt", "non-temporal stores from the part size"))
 
 
 def ratio_cell(v: float) -> str:
@@ -37,7 +37,7 @@ def piece_line(r: dict[str, Any]) -> list[str]:
     piece = r["copy_hash_piece"]
     timed = ", ".join(f"{int(c) // 1024} KiB {ms:.0f}" for c, ms in piece["ms_per_gib"].items())
     if piece["chosen"] is None:
-        chosen = "not chosen (too few verified values of 4 MiB or more to time)"
+        chosen = "not chosen (too few verified values of a default part or more to time)"
     else:
         chosen = f"{piece['chosen'] // 1024} KiB"
     return [

@@ -6,7 +6,7 @@ glibc reads its non-temporal threshold (``GLIBC_TUNABLES``) when a process start
 setting needs a process: ``children`` runs this file once per setting and round, and each run
 prints its timings as one JSON line.
 
-    python benchmarks/store_mode.py SCRATCH --size-mib 64 --repeats 1 --gap 0 --part 4194304
+    python benchmarks/store_mode.py SCRATCH --size-mib 64 --repeats 1 --gap 0 --part 4194240
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from timing import settle, take_turns
 from workload import MIB, make_state_dict
 
 from kvckpt import KVStorageWriter
+from kvckpt.engines.base import DEFAULT_PART_BYTES
 from kvckpt.engines.lmdb import close_idle_environments
 
 
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mib", type=int, default=1024, help="state dict size")
     parser.add_argument("--repeats", type=int, default=5, help="runs per case")
     parser.add_argument("--gap", type=float, default=1.0, help="seconds between new-store saves")
-    parser.add_argument("--part", type=int, default=4 * MIB, help="bytes per LMDB value")
+    parser.add_argument("--part", type=int, default=DEFAULT_PART_BYTES, help="bytes per LMDB value")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     found = child(Path(args.scratch), args.size_mib, args.repeats, args.gap, args.part)

@@ -184,7 +184,7 @@ HUGE_PAGE_SERVER = [
 #: (``bench.BIG_LMDB_PARTS``)
 BIG_LMDB_PARTS = [
     (
-        "LMDB save steady, part_bytes=256MiB / with the default 4 MiB parts, taking turns",
+        "LMDB save steady, part_bytes=256MiB / with the default parts, taking turns",
         "kv_lmdb_save_steady_big_parts",
         "kv_lmdb_save_steady",
         "",
@@ -352,7 +352,7 @@ def rows(r: dict[str, Any]) -> list[Row]:
     )
     for label, name in (
         ("glibc's default memcpy", "default"),
-        ("non-temporal memcpy from 4 MiB", "nt"),
+        ("non-temporal memcpy from the part size", "nt"),
     ):
         if f"store_mode_{name}_later" not in r:
             continue

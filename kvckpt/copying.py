@@ -219,9 +219,10 @@ def copy_values(
     items' locations in ``dsts``, to commit there.
 
     Without ``to`` the values keep their keys and locations (Tiers' copies and prefetch, whose
-    tiers share one part size). With ``to`` they go under its names, in parts of the
-    destinations' size, and keep the checksums their save recorded where the parts stay the
-    same; an item whose parts change size is read whole, checked, and checksummed anew.
+    tiers share one part size). With ``to`` they go under its names, in the parts they have
+    where every destination holds values that large, with the checksums their save recorded;
+    an item with larger parts is read whole, checked, split into parts of the destinations'
+    size and checksummed anew.
 
     From a store that lends its own memory (``Engine.zero_copy_reads``: LMDB's map) the values
     are sent straight from it, each byte read once; from any other they are read into one
@@ -313,7 +314,9 @@ class _CopyPlan:
     def _target(self, i: int, loc: ItemLocation) -> ItemLocation:
         if self.to is None:
             return loc
-        part_bytes = min(int(dst.max_value_bytes) for dst in self.dsts)
+        # The source's parts go as they are, checksums and all, wherever every destination
+        # holds values that large; only larger ones are split anew.
+        part_bytes = min(loc.part_bytes, *(int(dst.max_value_bytes) for dst in self.dsts))
         same = part_ranges(loc.nbytes, part_bytes) == part_ranges(loc.nbytes, loc.part_bytes)
         return ItemLocation(
             loc.rank,

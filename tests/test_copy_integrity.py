@@ -136,11 +136,37 @@ def test_copy_into_other_part_sizes_records_checksums_of_the_checked_bytes(
     out = zeros()
     dcp.load(out, storage_reader=KVStorageReader(small), checkpoint_id="s")
     assert all(torch.equal(out[k], v) for k, v in state(1.0).items())
-    # ... and back into bigger parts.
+    # Back into a store that takes bigger values, the parts go as they are, with the
+    # checksums recorded above: nothing is split or hashed anew.
     copy_checkpoint(small, "s", lmdb_url, "s-back")
     back = KVStorageReader(lmdb_url, checkpoint_id="s-back").read_record()
-    assert all(len(loc.checksums or ()) == 1 for loc in back.locations.values())
+    assert {i.fqn: (loc.part_bytes, loc.checksums) for i, loc in back.locations.items()} == {
+        i.fqn: (loc.part_bytes, loc.checksums) for i, loc in record.locations.items()
+    }
     assert verify(lmdb_url, "s-back").ok
+    out = zeros()
+    dcp.load(out, storage_reader=KVStorageReader(lmdb_url), checkpoint_id="s-back")
+    assert all(torch.equal(out[k], v) for k, v in state(1.0).items())
+
+
+def test_copy_between_engines_at_their_defaults_moves_parts_as_they_are(
+    lmdb_url: str, redis_url: str
+) -> None:
+    """LMDB and Redis split items at the same size by default, so a copy either way keeps
+    each multi-part item's parts and the checksums its save recorded."""
+    big = {"w": torch.arange(3 * (1 << 20), dtype=torch.float32)}  # 12 MiB: 4 parts
+    dcp.save(big, storage_writer=KVStorageWriter(lmdb_url), checkpoint_id="big")
+    copy_checkpoint(lmdb_url, "big", redis_url)
+    copy_checkpoint(redis_url, "big", lmdb_url, "big-back")
+    records = [
+        KVStorageReader(url, checkpoint_id=cid).read_record()
+        for url, cid in ((lmdb_url, "big"), (redis_url, "big"), (lmdb_url, "big-back"))
+    ]
+    parts = [[(loc.part_bytes, loc.checksums) for loc in r.locations.values()] for r in records]
+    assert parts[0] == parts[1] == parts[2] and len(parts[0][0][1] or ()) == 4
+    out = {"w": torch.zeros_like(big["w"])}
+    dcp.load(out, storage_reader=KVStorageReader(lmdb_url), checkpoint_id="big-back")
+    assert torch.equal(out["w"], big["w"])
 
 
 def test_copy_of_a_checkpoint_without_checksums(lmdb_url: str, redis_url: str, tmp_path) -> None:

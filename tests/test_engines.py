@@ -6,10 +6,12 @@ import random
 from collections.abc import Iterator
 
 import fakeredis
+import lmdb
 import pytest
 
 from kvckpt import StoreUnavailableError, open_store
-from kvckpt.engines.lmdb import LMDBEngine
+from kvckpt.engines.base import DEFAULT_PART_BYTES
+from kvckpt.engines.lmdb import LMDBEngine, close_idle_environments
 from kvckpt.engines.redis import RedisEngine
 from kvckpt.format import checksum, new_checksum
 from kvckpt.testing.engine_checks import ENGINE_CHECKS
@@ -96,6 +98,22 @@ def test_lmdb_reads_are_zero_copy_views(tmp_path) -> None:
     seen = []
     engine.get_many(["v"], lambda i, v: seen.append((type(v), v.readonly)))
     assert seen == [(memoryview, True)]
+
+
+def test_lmdb_default_parts_fill_whole_overflow_pages(tmp_path) -> None:
+    """A default part and LMDB's 16-byte page header take 1024 pages of 4 KiB, where a part of
+    exactly 4 MiB would take 1025."""
+    engine = LMDBEngine(str(tmp_path / "s"))
+    assert engine.max_value_bytes == DEFAULT_PART_BYTES
+    engine.put_many([("a", bytes(DEFAULT_PART_BYTES)), ("b", bytes(DEFAULT_PART_BYTES))])
+    engine.close()
+    close_idle_environments(engine.path)
+    env = lmdb.open(str(tmp_path / "s"), readonly=True, lock=False)
+    try:
+        assert env.stat()["psize"] == 4096
+        assert env.stat()["overflow_pages"] == 2 * 1024
+    finally:
+        env.close()
 
 
 def test_unreachable_redis_names_host_and_hides_password(redis_server) -> None:

@@ -9,7 +9,8 @@ import pytest
 import xxhash
 
 from kvckpt.engines import base
-from kvckpt.engines._piece_choice import CANDIDATES, DEFAULT, PieceChoice
+from kvckpt.engines._piece_choice import CANDIDATES, DEFAULT, MIN_TIMED_BYTES, PieceChoice
+from kvckpt.engines.base import DEFAULT_PART_BYTES
 
 KIB = 1024
 
@@ -91,3 +92,10 @@ def test_copy_and_hash_times_values_for_the_process_choice(monkeypatch: pytest.M
         base.copy_and_hash(memoryview(np.empty_like(src)), memoryview(src), xxhash.xxh3_64())
     assert choice.chosen in (256 * KIB, 512 * KIB)
     assert set(choice.medians()) == {256 * KIB, 512 * KIB}  # both timed, twice each
+
+
+def test_the_default_parts_are_timed() -> None:
+    """A load of values split at the engines' default size times its pieces: the choice is
+    made on every such load, not only on values of some larger size."""
+    assert DEFAULT_PART_BYTES >= MIN_TIMED_BYTES
+    assert all(-(-DEFAULT_PART_BYTES // c) >= 2 for c in CANDIDATES)  # two pieces or more

@@ -23,7 +23,8 @@ import threading
 _KIB = 1024
 
 #: The piece sizes tried: a quarter to all of the largest L2 of current server cores (2 MiB),
-#: each still splitting a value of the default part size (4 MiB) into two pieces or more.
+#: each still splitting a value of the default part size (4 MiB less 64 bytes) into two pieces
+#: or more.
 CANDIDATES = (256 * _KIB, 512 * _KIB, 1024 * _KIB, 2048 * _KIB)
 #: The size used before the choice is made, and for values too small to time.
 DEFAULT = 1024 * _KIB
@@ -31,7 +32,8 @@ DEFAULT = 1024 * _KIB
 #: preempted thread.
 SAMPLES = 8
 #: Values smaller than this are not timed: a few pieces say little about the per-piece cost.
-MIN_TIMED_BYTES = 2 * max(CANDIDATES)
+#: A part of the default size (``base.DEFAULT_PART_BYTES``, 64 bytes under 4 MiB) is timed.
+MIN_TIMED_BYTES = 2 * max(CANDIDATES) - 64
 
 
 class PieceChoice:

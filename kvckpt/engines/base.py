@@ -43,6 +43,15 @@ class Hasher(Protocol):
 #: with its digest (None unhashed).
 ValueCallback = Callable[[int, int | None], None]
 
+#: The largest value a built-in engine stores by default (URL option ``part_bytes``), 64 bytes
+#: under 4 MiB: a part and its header fill whole units of each engine's memory. redis-server
+#: keeps a value with its string header in one allocation, which jemalloc rounds up to its next
+#: size class (a 4 MiB value takes 5 MiB, this one 4 MiB); LMDB keeps it in overflow pages
+#: after a 16-byte page header (a 4 MiB value takes 1025 pages of 4 KiB, this one 1024). One
+#: size everywhere lets ``kvckpt copy`` move parts between engines as they are, checksums and
+#: all. Parts that fit the CPU cache let a save hash each one just before it is copied.
+DEFAULT_PART_BYTES = 4 * 1024 * 1024 - 64
+
 #: Pieces hashed just before they go to a socket, which then reads them from the CPU cache.
 #: A piece fits in a core's L2 (1 MiB and more on current x86 server cores), and the socket
 #: takes it in one ``sendall``: on loopback a send costs the kernel about as much per call as

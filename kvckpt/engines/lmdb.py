@@ -51,7 +51,16 @@ from ._pages import (
     _ranks_on_node,
 )
 from ._parallel import HashesAhead, fill
-from .base import BytesLike, Consumer, Engine, Hasher, StoreUsage, Update, ValueCallback
+from .base import (
+    DEFAULT_PART_BYTES,
+    BytesLike,
+    Consumer,
+    Engine,
+    Hasher,
+    StoreUsage,
+    Update,
+    ValueCallback,
+)
 
 #: The query options of an LMDB URL.
 LMDB_OPTIONS = (
@@ -69,21 +78,19 @@ _GIB = 1 << 30
 #: How many bytes one write transaction carries before it commits (bounds dirty pages);
 #: URL option ``txn_bytes``.
 _TXN_BYTES = 1 * _GIB
-#: The largest value one key holds (URL option ``part_bytes``): parts that fit the CPU cache
-#: let a save hash each one just before LMDB copies it, from the cache (``HashesAhead``).
-_PART_BYTES = 4 * _MIB
 _DELETE_BATCH = 10_000
 
 
 class LMDBEngine(Engine):
-    """``lmdb:///abs/dir[?prefix=NAME&map_size=1GiB&sync=1&writemap=1&part_bytes=4MiB
+    """``lmdb:///abs/dir[?prefix=NAME&map_size=1GiB&sync=1&writemap=1&part_bytes=4194240
     &txn_bytes=1GiB&read_lease=1]``
 
     A save into a warm store is one ``memcpy`` per part, inside LMDB. glibc copies a part
     below its non-temporal threshold (three quarters of the CPU's shared cache) by reading each
     destination line into the cache before overwriting it; a job whose environment sets
-    ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x400000`` (4 MiB, the default part)
-    has those copies skip that read (docs/PERFORMANCE.md measures both).
+    ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x3fffc0`` (the default part's
+    4194240 bytes: glibc goes around the cache from the threshold up) has those copies skip
+    that read (docs/PERFORMANCE.md measures both).
     """
 
     shared = False
@@ -99,7 +106,7 @@ class LMDBEngine(Engine):
         map_size: int = 1 * _GIB,
         sync: bool = True,
         writemap: bool = True,
-        part_bytes: int = _PART_BYTES,
+        part_bytes: int = DEFAULT_PART_BYTES,
         txn_bytes: int = _TXN_BYTES,
         create: bool = True,
         read_lease: bool = True,
@@ -133,7 +140,7 @@ class LMDBEngine(Engine):
             map_size=take_option(opts, "map_size", url, parse_size, 1 * _GIB),
             sync=take_option(opts, "sync", url, parse_bool, True),
             writemap=take_option(opts, "writemap", url, parse_bool, True),
-            part_bytes=take_option(opts, "part_bytes", url, parse_size, _PART_BYTES),
+            part_bytes=take_option(opts, "part_bytes", url, parse_size, DEFAULT_PART_BYTES),
             txn_bytes=take_option(opts, "txn_bytes", url, parse_size, _TXN_BYTES),
             read_lease=take_option(opts, "read_lease", url, parse_bool, True),
         )

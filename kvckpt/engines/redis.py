@@ -64,6 +64,7 @@ from ._resp import (
     retry,
 )
 from .base import (
+    DEFAULT_PART_BYTES,
     BytesLike,
     Consumer,
     Engine,
@@ -77,10 +78,6 @@ _MIB = 1 << 20
 #: Redis refuses (by closing the connection) a single value larger than this.
 REDIS_MAX_VALUE = 512 * _MIB
 DEFAULT_READ_AHEAD = 16 * _MIB
-#: Bytes per value by default: 64 under 4 MiB. redis-server keeps a value in one allocation
-#: with its string header, and jemalloc rounds an allocation up to its next size class: a value
-#: of exactly 4 MiB takes 5 MiB of the server's memory, one of 4 MiB less 64 bytes takes 4 MiB.
-DEFAULT_PART_BYTES = 4 * _MIB - 64
 #: Seconds a retired value waits as a spare for a save to write over it (URL ``spare_ttl``).
 DEFAULT_SPARE_TTL = 900.0
 #: Values smaller than this are written with a plain SET: a fresh allocation costs little there.

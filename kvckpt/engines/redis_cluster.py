@@ -45,10 +45,17 @@ from ._redis_replies import (
     no_permission,
     server_message,
 )
-from .base import BytesLike, Consumer, Hasher, StoreUsage, Update, ValueCallback
+from .base import (
+    DEFAULT_PART_BYTES,
+    BytesLike,
+    Consumer,
+    Hasher,
+    StoreUsage,
+    Update,
+    ValueCallback,
+)
 from .redis import (
     _MIB,
-    DEFAULT_PART_BYTES,
     DEFAULT_READ_AHEAD,
     KVCKPT_REDIS_OPTIONS,
     RedisEngine,
