@@ -49,7 +49,9 @@ def piece_line(r: dict[str, Any]) -> list[str]:
 def checksum_line(r: dict[str, Any]) -> list[str]:
     """The checksum's own speed, and the least it adds to a copy on one core that copies a
     piece and then hashes it from the cache (a verified load's way): the hash's time, which
-    copying does not hide, memcpy's GB/s over the hash's of the copy's time."""
+    that core's copying does not hide, memcpy's GB/s over the hash's of the copy's time. A load
+    copies on two cores; where they share memory's bandwidth, one hashes while the other
+    copies faster, and the load's cost can fall below this."""
     if "checksum_from_cache" not in r:
         return []
     hashing = r["checksum_from_cache"]["gbps"]
@@ -57,9 +59,9 @@ def checksum_line(r: dict[str, Any]) -> list[str]:
     if "store_mode_default_memcpy" in r:
         floor = r["store_mode_default_memcpy"]["gbps"] / hashing
         line += (
-            f"; copying a piece, then hashing it from the cache, adds at least {floor:.3f} of"
-            " the copy's time (the floor of a verified load's checksum cost on this CPU; lower"
-            " is better)"
+            f"; one thread copying a piece, then hashing it from the cache, adds at least"
+            f" {floor:.3f} of the copy's time (lower is better; a load's two threads, sharing"
+            " memory's bandwidth, can hide part of it)"
         )
     return [line]
 
