@@ -99,3 +99,18 @@ def test_the_default_parts_are_timed() -> None:
     made on every such load, not only on values of some larger size."""
     assert DEFAULT_PART_BYTES >= MIN_TIMED_BYTES
     assert all(-(-DEFAULT_PART_BYTES // c) >= 2 for c in CANDIDATES)  # two pieces or more
+
+
+def test_a_sent_value_is_hashed_piece_by_piece_after_each_piece_is_handed_on() -> None:
+    """``hashed_pieces`` (a Redis save's inline hashing) hands each piece on before hashing
+    it, so the socket's copy is the first to read it from memory, and the digest is the whole
+    value's once the pieces are consumed."""
+    value = memoryview(np.arange(5 * base._HASH_PIECE // 2, dtype=np.uint8))
+    hasher = xxhash.xxh3_64()
+    seen = []
+    for piece in base.hashed_pieces(value, hasher):
+        seen.append(hasher.intdigest())  # the hash as it stands when the piece is handed on
+        assert piece.nbytes <= base._HASH_PIECE
+    assert seen[0] == xxhash.xxh3_64().intdigest()  # nothing hashed before the first send
+    assert seen[1] == xxhash.xxh3_64(value[: base._HASH_PIECE]).intdigest()
+    assert len(seen) == 3 and hasher.intdigest() == xxhash.xxh3_64_intdigest(value)

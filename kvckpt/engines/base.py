@@ -52,10 +52,10 @@ ValueCallback = Callable[[int, int | None], None]
 #: all. Parts that fit the CPU cache let a save hash each one just before it is copied.
 DEFAULT_PART_BYTES = 4 * 1024 * 1024 - 64
 
-#: Pieces hashed just before they go to a socket, which then reads them from the CPU cache.
-#: A piece fits in a core's L2 (1 MiB and more on current x86 server cores), and the socket
-#: takes it in one ``sendall``: on loopback a send costs the kernel about as much per call as
-#: per byte, so smaller pieces slow the save down more than the cache saves
+#: Pieces hashed just after a socket took them, from the CPU cache the kernel's copy left
+#: them in. A piece fits in a core's L2 (1 MiB and more on current x86 server cores), and the
+#: socket takes it in one ``sendall``: on loopback a send costs the kernel about as much per
+#: call as per byte, so smaller pieces slow the save down more than the cache saves
 #: (``benchmarks/run.py`` measures the Redis save's checksum cost).
 _HASH_PIECE = 1024 * 1024
 
@@ -80,13 +80,16 @@ def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher) -> int:
 
 
 def hashed_pieces(view: memoryview, hasher: Hasher) -> Iterator[memoryview]:
-    """``view`` in cache-sized pieces, each hashed just before it is handed on (to a socket),
-    which then reads it from the cache: no second pass over memory, and no worker thread
-    taking a core from a Redis server on the same node."""
+    """``view`` in cache-sized pieces, each hashed once it has been handed on (to a socket),
+    from the cache the kernel's copy read it into: no second pass over memory, and no worker
+    thread taking a core from a Redis server on the same node. Hashing after the send, not
+    before, leaves the read from memory to the kernel's copy and lets the hash run from the
+    cache (``benchmarks/run.py`` measures what each costs a save). The digest is complete once
+    the last piece has been handed on and the iterator asked for the next."""
     for start in range(0, view.nbytes, _HASH_PIECE):
         piece = view[start : start + _HASH_PIECE]
-        hasher.update(piece)
         yield piece
+        hasher.update(piece)
 
 
 @dataclass(frozen=True)

@@ -224,9 +224,9 @@ class RedisSettings(Engine):
 
     shared = True
     supports_ttl = True
-    # hashing xxh3 on each piece of a value as it lands or just before it is sent (still in the
-    # CPU cache) costs no more than the noise of a loopback load or save with the server on the
-    # same 2 cores (benchmarks/run.py; docs/RELIABILITY.md)
+    # hashing xxh3 on each piece of a value as it lands or just after the socket took it (still
+    # in the CPU cache) costs a tenth of a loopback load or save or less, with the server on the
+    # same 2 cores (benchmarks/run.py; docs/PERFORMANCE.md)
     checksums_by_default = True
     hashes_while_writing = True
 
