@@ -526,6 +526,7 @@ class Bench:
         self.results["rss_delta_bytes"] = rss
         self.results["state_dict_bytes"] = self.size
         self.results["part_bytes_redis"] = self.redis_part_bytes()
+        self.results["part_bytes_lmdb"] = self.lmdb_part_bytes()
         for k, v in rss.items():
             print(f"  peak anon RSS above state dict, {k:<14} {v / MIB:8.1f} MiB")
 

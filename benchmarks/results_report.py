@@ -87,6 +87,7 @@ def header(r: dict[str, Any], rows: list[Row]) -> str:
     ceiling = f"{gbps('raw_lmdb_put_steady')}" if "raw_lmdb_put_steady" in r else "not measured"
     if own:
         ceiling += f" (in a process of its own: {', '.join(own)})"
+    parts = f" ({r['part_bytes_lmdb']} bytes)" if "part_bytes_lmdb" in r else ""
     gaps = missed(rows)
     short = [name for name, row in gaps if row is not None]
     unmeasured = [name for name, row in gaps if row is None]
@@ -96,13 +97,14 @@ def header(r: dict[str, Any], rows: list[Row]) -> str:
         met += f"; not measured by this run: {'; '.join(unmeasured)}"
     lines = [
         f"- CPU: {r.get('cpu') or 'not recorded by this run'}; {r['machine']}",
-        "- memcpy, one thread, LMDB's value-sized pieces into memory in use: "
+        f"- memcpy, one thread, LMDB's value-sized pieces{parts} into memory in use: "
         + (", ".join(memcpy) if memcpy else "not measured in this run"),
         "- LMDB's put ceiling (its own put of the same values into a store that holds the "
         f"previous ones, one write transaction, no kvckpt): {ceiling}",
         *checksum_line(r),
         *piece_line(r),
         f"- {r['date']}; `{r['command']}`"
+        + (f" at kvckpt commit {r['commit']}" if "commit" in r else "")
         + (
             f"; 1-minute load average {r['loadavg_start']:.2f} at the start"
             if "loadavg_start" in r

@@ -45,7 +45,7 @@ import results_report
 import targets
 import torch
 from baselines import checksum_from_cache_times
-from report import cpu_name
+from report import cpu_name, source_commit
 
 from kvckpt.engines._piece_choice import COPY_HASH_PIECE
 
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         results = bench.run(args)
         results["loadavg_start"] = loadavg
         results["cpu"] = cpu_name()
+        results["commit"] = source_commit()
         hashed, times = checksum_from_cache_times(repeats=7)
         results["checksum_from_cache"] = {
             "median_s": median(times),

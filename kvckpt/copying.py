@@ -190,8 +190,9 @@ def _nothing() -> None:
 @dataclass(frozen=True)
 class CopyTarget:
     """Where ``copy_values`` writes a save that changes its name on the way (``copy``): under
-    another checkpoint id and save id, each item named as the current format names it and
-    split into parts of the destinations' size."""
+    another checkpoint id and save id, each item named as the current format names it, in the
+    parts it has where every destination holds values that large, else in parts of the
+    destinations' size."""
 
     checkpoint_id: str
     save_id: str

@@ -89,11 +89,11 @@ def fill(
 
 class HashesAhead:
     """Hashes each value on a second thread one value ahead of the engine's copy; small values
-    inline. The hash reads the value into the CPU cache and the copy then finds it there (4 MiB
-    parts, the default; a value larger than the cache gains nothing; ``benchmarks/run.py``
-    measures what hashing costs a save). ``wait()`` returns once every value handed over has
-    been reported (``on_value(i, digest)``). One thread and a queue per save, not a future per
-    part, whose cost would rival the hashing's."""
+    inline. The hash reads the value into the CPU cache and the copy then finds it there (parts
+    of the default size, 64 bytes under 4 MiB; a value larger than the cache gains nothing;
+    ``benchmarks/run.py`` measures what hashing costs a save). ``wait()`` returns once every
+    value handed over has been reported (``on_value(i, digest)``). One thread and a queue per
+    save, not a future per part, whose cost would rival the hashing's."""
 
     def __init__(self, hasher: Callable[[], Hasher], on_value: ValueCallback) -> None:
         self._hasher = hasher

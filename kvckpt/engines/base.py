@@ -84,7 +84,7 @@ def hashed_pieces(view: memoryview, hasher: Hasher) -> Iterator[memoryview]:
     from the cache the kernel's copy read it into: no second pass over memory, and no worker
     thread taking a core from a Redis server on the same node. Hashing after the send, not
     before, leaves the read from memory to the kernel's copy and lets the hash run from the
-    cache (``benchmarks/run.py`` measures what each costs a save). The digest is complete once
+    cache (``benchmarks/run.py`` measures what hashing costs a save). The digest is complete once
     the last piece has been handed on and the iterator asked for the next."""
     for start in range(0, view.nbytes, _HASH_PIECE):
         piece = view[start : start + _HASH_PIECE]
