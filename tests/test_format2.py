@@ -28,6 +28,7 @@ from kvckpt import (
 )
 from kvckpt.copying import copy_checkpoint
 from kvckpt.dcp_files import export_checkpoint
+from kvckpt.engines.base import DEFAULT_PART_BYTES
 from kvckpt.format import (
     FORMAT_VERSION,
     MAX_PARTS,
@@ -355,3 +356,21 @@ def test_a_new_save_over_a_format_1_checkpoint_replaces_its_keys(format1_url: st
     new = set(engine.scan(f"{engine.prefix}/data/step-2/"))
     assert not old & new
     assert KVStorageReader(engine, checkpoint_id="step-2").read_record().format_version == 2
+
+
+def test_checkpoints_with_parts_of_another_size_load_beside_new_ones(tmp_path: Path) -> None:
+    """A store that holds checkpoints saved with 4 MiB parts (LMDB's default in unreleased
+    builds after 0.2.0) loads and verifies them as they are; new saves into it use the default
+    part size."""
+    url = f"lmdb://{tmp_path / 's'}"
+    big = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB: several parts either way
+    dcp.save(big, storage_writer=KVStorageWriter(url + "?part_bytes=4MiB"), checkpoint_id="old")
+    dcp.save(big, storage_writer=KVStorageWriter(url), checkpoint_id="new")
+    records = {cid: KVStorageReader(url, checkpoint_id=cid).read_record() for cid in ("old", "new")}
+    parts = {cid: [loc.part_bytes for loc in r.locations.values()] for cid, r in records.items()}
+    assert parts == {"old": [4 << 20], "new": [DEFAULT_PART_BYTES]}
+    for cid in ("old", "new"):
+        assert verify(url, cid).ok
+        out = {"w": torch.zeros_like(big["w"])}
+        dcp.load(out, storage_reader=KVStorageReader(url), checkpoint_id=cid)
+        assert torch.equal(out["w"], big["w"])
