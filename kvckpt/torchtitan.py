@@ -38,6 +38,9 @@ state, ``exclude_from_loading``, the model-only step 0 seed) and the async modes
   ``DefaultStager`` with what the host supports (pinned memory and a side stream where an
   accelerator is, plain memory on a CPU-only host, where torchtitan's own stager fails), and
   uploads on a thread of the trainer's process rather than in a second process.
+- After the first training step that does not save, the store gets ready for the run's saves
+  in the background (``Tiers.get_ready``), so the first checkpoint writes into memory made
+  ready while the steps before it ran, as every later one does.
 
 ``initial_load_path`` takes, besides torchtitan's DCP directory, a kvckpt store:
 ``<store URL>#<checkpoint id>``, or ``<store URL>`` alone for its newest complete checkpoint.
@@ -62,6 +65,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
     AsyncCheckpointerType,
     AsyncSaveResponse,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
 try:
     from torchtitan.components.checkpointer.base import MODEL
@@ -181,7 +185,8 @@ class KVCheckpointManager(CheckpointManager):
     Built by torchtitan from ``KVCheckpointManager.Config`` (``config.checkpoint.build(...)``),
     with the same arguments as ``CheckpointManager``. Only the storage methods are overridden
     (``dcp_save``, ``dcp_load``, ``_find_load_step``, ``_create_checkpoint_id``, ``_load``,
-    ``_purge_stale_checkpoints``, ``_close``); the module docstring lists what that changes.
+    ``_purge_stale_checkpoints``, ``_close``), and ``save``, which gets the store ready at its
+    first call; the module docstring lists what that changes.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -239,6 +244,8 @@ class KVCheckpointManager(CheckpointManager):
         self.weights_only = config.weights_only
         #: built at the first save, so that a load_only job creates no store
         self.tiers: Tiers | None = None
+        #: whether ``save`` has had its first call (``_get_ready``)
+        self._first_call_done = False
         # Retention is the writer's (keep_last), right after each commit: torchtitan's purge
         # thread, which deletes step-N directories, has nothing to do.
         purge_thread: threading.Thread | None = getattr(self, "purge_thread", None)
@@ -350,6 +357,36 @@ class KVCheckpointManager(CheckpointManager):
                 [self.store_url, *self.replica_urls], keep_last=self.keep_latest_k or None
             )
         return self.tiers.writer()
+
+    def save(self, curr_step: int, last_step: bool = False) -> bool:
+        """torchtitan's ``save``, which the trainer calls after every step. At its first call,
+        where that step saves nothing, the store gets ready for the run's saves first
+        (``_get_ready``)."""
+        if self.enable and not self.load_only and not self._first_call_done:
+            self._first_call_done = True
+            if not self._should_save(curr_step, last_step):
+                self._get_ready()
+        return super().save(curr_step, last_step)
+
+    def _get_ready(self) -> None:
+        """Start getting the store ready for saves of the state torchtitan saves
+        (``KVStorageWriter.get_ready``: LMDB's pages mapped in, Redis's spares made, on a
+        background thread). Called after a training step, when the optimizer's state exists:
+        reading the state dicts for their sizes then changes nothing (before the first step,
+        torchtitan's optimizer would make its state with a step of its own). A store that
+        cannot be made ready is logged, not raised: the save reports what is wrong with it."""
+        states = {
+            k: v.state_dict() if isinstance(v, Stateful) else v
+            for k, v in self._flattened_model_states_sd().items()
+        }
+        try:
+            self._writer().get_ready(states)
+        except KVCheckpointError as e:
+            logger.warning(
+                "kvckpt: %s was not made ready ahead of the first save: %s",
+                mask_url(self.store_url),
+                e,
+            )
 
     def _close(self) -> None:
         """torchtitan's close, then (with ``replica_urls``) wait for the background copies:

@@ -13,9 +13,11 @@ a CPU-only torch refuses; ``test_trainer_needs_an_accelerator`` pins that down. 
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -297,6 +299,45 @@ def test_errors_mask_the_password(tmp_path: Path) -> None:
         )
     finally:
         server.stop()
+
+
+@pytest.fixture
+def shm_store(tmp_path: Path) -> Iterator[str]:
+    """An LMDB store URL on a tmpfs, where getting a store ready maps its pages in."""
+    from kvckpt.engines import lmdb as lmdb_engine
+
+    directory = Path(tempfile.mkdtemp(prefix="kvckpt-test-titan-", dir="/dev/shm"))
+    if not (lmdb_engine._populate_ok and lmdb_engine._on_tmpfs(str(directory))):
+        shutil.rmtree(directory)
+        pytest.skip("needs /dev/shm on a tmpfs and MADV_POPULATE_WRITE")
+    try:
+        yield f"lmdb://{directory / 'store'}"
+    finally:
+        lmdb_engine.close_idle_environments()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_the_store_gets_ready_after_the_first_step(shm_store: str, tmp_path: Path) -> None:
+    """The first step that saves nothing gets the store ready in the background (its pages
+    mapped in), so the first checkpoint, at step 3, writes into ready memory. The sizes come
+    from the state the first step made: training runs as it does with checkpointing off."""
+    from kvckpt.engines._lmdb_env import _SharedEnv
+
+    job = make_job(config(shm_store), tmp_path)
+    assert job.checkpointer.load() is False
+    job.train(1)
+    path = os.path.realpath(shm_store.removeprefix("lmdb://"))
+    shared = _SharedEnv._envs[(os.getpid(), path)]
+    if shared.populator is not None:
+        shared.populator.join(60)
+    assert shared.populated > 0 and ids(shm_store) == set()
+    job.train(3, snapshot_at=(3,))
+    assert ids(shm_store) == {"step-3"}
+    job.stop()
+    unsaved = make_job(KVCheckpointManager.Config(enable=False), tmp_path / "unsaved")
+    unsaved.train(3, snapshot_at=(3,))
+    unsaved.stop()
+    assert_same(job.snapshots[3], unsaved.snapshots[3])
 
 
 def test_load_only_saves_nothing(lmdb_url: str, tmp_path: Path) -> None:
