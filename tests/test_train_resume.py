@@ -40,6 +40,8 @@ def run(events: Path, *store_args: str, kill: bool) -> list[dict]:
         timeout=300,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
+    # kept beside the events: a job that restarted and finished shows here why it restarted
+    (events.parent / "torchrun.log").write_text(done.stdout + done.stderr)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return [json.loads(line) for line in events.read_text().splitlines()]
 
@@ -81,7 +83,8 @@ def test_kill_one_rank_and_resume_bit_exact(
     events = run(tmp_path / "events.jsonl", *args, kill=True)
 
     resumes = [e for e in events if e["event"] == "resume"]
-    assert len(resumes) == 1 and resumes[0]["attempt"] == 1
+    output = (tmp_path / "torchrun.log").read_text()
+    assert len(resumes) == 1 and resumes[0]["attempt"] == 1, output[-6000:]
     assert resumes[0]["checkpoint"] in {f"step-{s}" for s in range(EVERY, KILL_AT + 1, EVERY)}
     # Tiers.prefetch() brought the newest checkpoint from Redis into the new node's local store
     # while the job started; without it, the restore reads Redis.
