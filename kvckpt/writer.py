@@ -288,6 +288,12 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
             copy (Linux; off by default). The median save blocks less (fewer page faults), but
             saves stall now and then while the kernel compacts memory into huge pages (most
             with an LMDB store on /dev/shm), which can cost more in all than it saves.
+        sole_saver: this process saves the whole state dict, and is the only process of its
+            node that saves into the store (``dcp.save(..., no_dist=True)`` from one rank, as
+            ``kvckpt.lightning.KVCheckpoint`` does). The room ``get_ready`` and each save make
+            for the saves to come is then this process's alone; by default it is this rank's
+            share of a save by every rank of the job, times the ranks of the node (torchrun's
+            ``LOCAL_WORLD_SIZE``), all of which write into a node-local store.
     """
 
     def __init__(
@@ -302,10 +308,12 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         lease: float = 60.0,
         cache_staged_state_dict: bool = False,
         huge_pages: bool = False,
+        sole_saver: bool = False,
     ) -> None:
         super().__init__()
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self.huge_pages = huge_pages
+        self.sole_saver = sole_saver
         self.engine = open_store(store)
         self.checkpoint_id = valid_checkpoint_id(checkpoint_id)
         self.overwrite = overwrite
@@ -385,17 +393,25 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
         do nothing.
 
         The size is this rank's share of a save, estimated without collectives
-        (``ready.share_bytes``). Pass plain state dicts: a ``Stateful`` object (DCP's
-        ``AppState`` pattern) counts for nothing here; pass its ``state_dict()``.
+        (``ready.share_bytes``); with ``sole_saver``, the whole state dict. Pass plain state
+        dicts: a ``Stateful`` object (DCP's ``AppState`` pattern) counts for nothing here; pass
+        its ``state_dict()``.
         """
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.engine.get_ready(share_bytes(state_dict, world), self._saves_held())
+        distributed = dist.is_available() and dist.is_initialized() and not self.sole_saver
+        world = dist.get_world_size() if distributed else 1
+        self.engine.get_ready(
+            share_bytes(state_dict, world), self._saves_held(), self._node_ranks()
+        )
         if self.engine.reuses_values:
             rank = dist.get_rank() if world > 1 else 0
             prefix, part_bytes = self.engine.prefix, self.part_bytes
             _make_spares(
                 self.engine, first_save_values(state_dict, rank, world, prefix, part_bytes)
             )
+
+    def _node_ranks(self) -> int | None:
+        """How many processes of this node save into the store (None: every rank of it)."""
+        return 1 if self.sole_saver else None
 
     def _saves_held(self) -> int | None:
         """How many saves the store holds at once at most: the ``keep_last`` kept and the one
@@ -484,13 +500,14 @@ class KVStorageWriter(KVStorageBase, StorageWriter, BlockingAsyncStager):
             planned = self._preflight(plan)
             # Sized for every save the store will hold before this one writes: growing the
             # map after it would drop the pages it just mapped (LMDB).
-            self.engine.get_ready(planned, self._saves_held())
+            self.engine.get_ready(planned, self._saves_held(), self._node_ranks())
             started = time.perf_counter()
             written = self._write(checkpoint_id, plan, planner, where, renew, sums, results)
             sums.learn(self.engine, time.perf_counter() - started)
             self._make_spares_ahead(written, where)
             self.engine.sync_replicas()
-            self.engine.get_ready(sum(wr.size_in_bytes for wr in results), self._saves_held())
+            written_bytes = sum(wr.size_in_bytes for wr in results)
+            self.engine.get_ready(written_bytes, self._saves_held(), self._node_ranks())
             results[:] = sums.recorded(results, self.engine.url)
         except BaseException:
             self._discard_failed(checkpoint_id, where, lease_rank)

@@ -28,6 +28,7 @@ from kvckpt import (
     UnsafeObjectError,
     list_checkpoints,
 )
+from kvckpt.keys import data_prefix, spare_key, spare_prefix
 from kvckpt.lightning import (
     KVCheckpoint,
     KVCheckpointIO,
@@ -292,9 +293,9 @@ def trainer(tmp_path: Path, max_steps: int, callbacks: list[Callback], **kw: Any
     )
 
 
-def fit(t: L.Trainer, ckpt_path: str | None = None) -> Net:
+def fit(t: L.Trainer, ckpt_path: str | None = None, net: type[Net] = Net) -> Net:
     L.seed_everything(0, verbose=False)
-    model = Net()
+    model = net()
     t.fit(model, train_dataloaders=data(samples=8, shuffle=False), ckpt_path=ckpt_path)
     return model
 
@@ -448,3 +449,87 @@ def test_import_kvckpt_does_not_import_lightning() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ
     )
     assert out.stdout.split() == ["False", "False"]
+
+
+class WideNet(Net):
+    """Net with a first layer of 256 KiB: values Redis keeps spares of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 8192), torch.nn.Tanh(), torch.nn.Linear(8192, 1)
+        )
+
+
+class SparesAtEachStep(Callback):
+    """The spare values (``keys.spare_key``) a Redis server holds as each step starts."""
+
+    def __init__(self, server: RedisServer) -> None:
+        self.server = server
+        self.seen: dict[int, set[str]] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        client = self.server.client()
+        names = client.scan_iter(match=spare_prefix("kvckpt") + "*")
+        self.seen[trainer.global_step] = {n.decode() for n in names}
+        client.close()
+
+
+def test_callback_gets_the_store_ready_after_the_first_step(
+    tmp_path: Path, redis_server: RedisServer, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the first step that saves nothing, the callback gets its stores ready for the
+    first save (``KVStorageWriter.get_ready``) from that step's state: an LMDB store is sized
+    for the one process that saves (global rank 0, however many ranks the node runs), and a
+    Redis server holds, before the first save, the spares of exactly the values it writes.
+    Training is the same as without the callback."""
+    import tempfile
+
+    from kvckpt.engines.lmdb import LMDBEngine, close_idle_environments
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun's: rank 0 still saves alone
+    steps: list[tuple[str, Any]] = []
+    get_ready, put_batch = LMDBEngine.get_ready, LMDBEngine._put_batch
+
+    def ready(self: LMDBEngine, nbytes: int, copies: int | None, node_ranks: int | None = None):
+        steps.append(("ready", (nbytes, copies, node_ranks)))
+        return get_ready(self, nbytes, copies, node_ranks)
+
+    def write(self: LMDBEngine, *args: Any, **kwargs: Any) -> Any:
+        steps.append(("write", None))
+        return put_batch(self, *args, **kwargs)
+
+    monkeypatch.setattr(LMDBEngine, "get_ready", ready)
+    monkeypatch.setattr(LMDBEngine, "_put_batch", write)
+    shm = Path(tempfile.mkdtemp(prefix="kvckpt-test-lightning-", dir="/dev/shm"))
+    try:
+        lmdb_store = f"lmdb://{shm / 'store'}"
+        callbacks: list[Callback] = [SparesAtEachStep(redis_server)]
+        callbacks += [KVCheckpoint(url, every_n_train_steps=3) for url in (lmdb_store, redis_url)]
+        model = fit(trainer(tmp_path, 4, callbacks), net=WideNet)
+        close_idle_environments()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+    # LMDB: ready after step 1, for rank 0's whole state, then again by the first save itself
+    # before it wrote (each save does), both for the one process that saves.
+    first_write = steps.index(("write", None))
+    assert [s for s, _ in steps[:first_write]] == ["ready", "ready"], steps
+    assert all(node_ranks == 1 for s, (_, _, node_ranks) in steps[:first_write])
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert steps[0][1][0] >= 3 * params  # the weights and AdamW's two moments
+    # Redis: the spares the callback made after step 1 are those of the first save's tensors.
+    spares = callbacks[0].seen  # type: ignore[attr-defined]
+    assert spares[0] == set()
+    client = redis_server.client()
+    written = client.scan_iter(match=data_prefix("kvckpt", "step-000000003") + "*")
+    # (the values Redis writes over spares: those of 64 KiB and more)
+    first_save = {spare_key("kvckpt", k.decode()) for k in written if client.strlen(k) >= 1 << 16}
+    client.close()
+    assert spares[1] == spares[2] == first_save and len(first_save) == 3  # the weight, moments
+
+    reference = fit(trainer(tmp_path / "without", 4, []), net=WideNet)
+    for (name, a), (_, b) in zip(
+        model.state_dict().items(), reference.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name

@@ -367,6 +367,26 @@ def test_a_job_gets_the_store_ready_before_its_first_save(
     assert torch.equal(out["optim"]["state"][0]["m"], sd["optim"]["state"][0]["m"])
 
 
+def test_a_sole_saver_makes_room_for_its_own_saves_alone(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node-local store makes room for every rank of the node (torchrun's
+    ``LOCAL_WORLD_SIZE``), each of which saves its share into it; a writer that saves alone
+    (``sole_saver``: one rank saves the whole state, as the Lightning callback does) makes room
+    for its own saves only, and allocates none for ranks that never write there."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    sd = state(32, 1.0)
+    populated = {}
+    for sole in (True, False):
+        url = f"lmdb://{shm_dir}/{sole}"
+        KVStorageWriter(url, keep_last=1, sole_saver=sole).get_ready(sd)
+        shared = shared_env(shm_dir / str(sole))
+        wait_populated(shared)
+        populated[sole] = shared.populated
+    # two saves held (keep_last=1), and slack; four ranks' two saves each by default
+    assert 2 * 32 * MIB <= populated[True] < 4 * 2 * 32 * MIB <= populated[False]
+
+
 def test_tiers_get_the_local_tier_ready(shm_dir: Path, redis_url: str) -> None:
     from kvckpt import Tiers
 

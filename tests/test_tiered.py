@@ -391,7 +391,9 @@ def test_first_tier_gets_ready_for_the_save_being_copied(tmp_path: Path, redis_u
     calls: list[tuple[int, int | None]] = []
     local = f"lmdb://{tmp_path / 'node'}"
     tiers = Tiers([local, redis_url], keep_last=2)
-    tiers.engines[0].get_ready = lambda nbytes, copies: calls.append((nbytes, copies))  # type: ignore[method-assign]
+    tiers.engines[0].get_ready = lambda nbytes, copies, node_ranks=None: calls.append(
+        (nbytes, copies)
+    )  # type: ignore[method-assign]
     dcp.save(sd(1.0), storage_writer=tiers.writer(), checkpoint_id="step-1")
     tiers.get_ready(sd(1.0))
     assert [copies for _, copies in calls] == [4, 4, 4]  # before the save writes, after, and here

@@ -293,11 +293,15 @@ class Engine(ABC):
         each batch would otherwise grow the map and allocate its pages alone). Returns when
         done; the batches' own checks still run."""
 
-    def get_ready(self, nbytes: int, copies: int | None) -> None:  # noqa: B027 - optional hook
+    def get_ready(  # noqa: B027 - optional hook
+        self, nbytes: int, copies: int | None, node_ranks: int | None = None
+    ) -> None:
         """Make room for saves of about ``nbytes`` (this rank's share): called before each save
         writes and after it, so that the next save does not pay for its room while training
         runs. The store will hold ``copies`` such saves at once (``keep_last + 1``), or keeps
-        every save (None). Returns at once; an engine does the work on a background thread
+        every save (None). ``node_ranks`` processes of this node save shares like it into the
+        store (None: every rank of the node, torchrun's ``LOCAL_WORLD_SIZE``; a node-local store
+        holds all their shares). Returns at once; an engine does the work on a background thread
         (LMDB: sizes its map once for all the saves it will hold, before the first save writes,
         since growing it after would drop the pages just written from the process's page
         tables; then faults in the pages the next saves will write)."""

@@ -249,19 +249,19 @@ class LMDBEngine(Engine):
             if self._tmpfs:  # elsewhere the pages would be page cache to write back: per batch
                 self._preallocate(shared, nbytes)
 
-    def get_ready(self, nbytes: int, copies: int | None) -> None:
+    def get_ready(self, nbytes: int, copies: int | None, node_ranks: int | None = None) -> None:
         """Make the next save of about ``nbytes`` write into memory that is already allocated and
         mapped, by doing now, on a background thread while training runs, what that save would
         otherwise do on its own path: fault pages in.
 
         The writer calls it before each save writes and after. Before the first save writes,
         the map is sized for every save the store will hold (``copies * nbytes``, times the
-        ranks of this node) in one step, so no save remaps (a remap drops every page from the
-        process's page tables, and the save after it faults in again pages that were already
-        there). The map keeps room for the file to grow by half again: where freed pages come
-        in runs too short for a value, LMDB extends the file instead, and a remap in the steady
-        state would also wait for a background copy's read transaction. The map is address
-        space, not memory: the file stays sparse. Then the pages up to that size, plus some
+        ``node_ranks`` that save into it) in one step, so no save remaps (a remap drops every
+        page from the process's page tables, and the save after it faults in again pages that
+        were already there). The map keeps room for the file to grow by half again: where freed
+        pages come in runs too short for a value, LMDB extends the file instead, and a remap in
+        the steady state would also wait for a background copy's read transaction. The map is
+        address space, not memory: the file stays sparse. Then the pages up to that size, plus some
         room for LMDB to grow into when it cannot find a long enough run of freed pages, are
         mapped in with ``MADV_POPULATE_WRITE``, 256 MiB at a time; pages already mapped cost
         nothing. A save that needs pages this thread has not reached yet stops it after its
@@ -274,7 +274,7 @@ class LMDBEngine(Engine):
         shared = self._env
         if shared.readonly is not None:
             return
-        node = nbytes * _ranks_on_node()
+        node = nbytes * (_ranks_on_node() if node_ranks is None else node_ranks)
         slack = node // 8 + 64 * _MIB
         with shared.write_lock:
             end, free, map_size = self._space(shared)

@@ -36,6 +36,21 @@ logger = logging.getLogger(__name__)
 StoreSpec = str | Engine | Tiers | Sequence[str | Engine]
 
 
+def _checkpoint_tensors(trainer: pl.Trainer) -> dict[str, Any]:
+    """The parts of the checkpoint ``dump_checkpoint`` makes that hold tensors, in its order
+    (so that ``split_checkpoint`` numbers their tensors as a save does), without the hooks it
+    runs: the module's state, the loops', the callbacks', the optimizers' and the schedulers'."""
+    from lightning.pytorch.trainer import call
+
+    return {
+        "state_dict": trainer.strategy.lightning_module_state_dict(),
+        "loops": trainer._checkpoint_connector._get_loops_state_dict(),
+        "callbacks": call._call_callbacks_state_dict(trainer),
+        "optimizer_states": [trainer.strategy.optimizer_state(o) for o in trainer.optimizers],
+        "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+    }
+
+
 class KVCheckpoint(Callback):
     """Frequent checkpoints into a kvckpt store, beside the user's own (file) checkpoints.
 
@@ -58,6 +73,10 @@ class KVCheckpoint(Callback):
             failed.
         name: the checkpoint ids' prefix.
         writer_options: passed to ``KVStorageWriter`` (``checksums``, ``lease``, ``ttl``).
+
+    After the first step that saves nothing, it gets the stores ready for its saves
+    (``KVStorageWriter.get_ready``, in the background), so that its first save is as fast as
+    the later ones.
 
     Why not ``ModelCheckpoint`` + ``KVCheckpointIO``: this keeps the user's own checkpoints as
     they are (files, on durable storage) and adds cheap in-memory ones for restarts, with a
@@ -103,6 +122,8 @@ class KVCheckpoint(Callback):
         self._pending: Future[None] | None = None
         self._pending_id: str | None = None
         self._last_step = -1
+        #: whether the store was made ready for this fit's saves (``_get_ready``)
+        self._ready = False
         self._installed: tuple[Any, CheckpointIO] | None = None
 
     def _open(self, store: StoreSpec) -> None:
@@ -141,6 +162,7 @@ class KVCheckpoint(Callback):
         if trainer.is_global_zero:
             self._discard_crashed()
         self._last_step = trainer.global_step  # no save of the step a resume starts from
+        self._ready = False
 
     def on_train_batch_end(
         self,
@@ -151,9 +173,14 @@ class KVCheckpoint(Callback):
         batch_idx: int,
     ) -> None:
         step = trainer.global_step
-        if step <= 0 or step % self.every_n_train_steps or step == self._last_step:
+        if step <= 0 or step == self._last_step:
+            return
+        if step % self.every_n_train_steps:
+            if not self._ready:
+                self._get_ready(trainer)
             return
         self._last_step = step
+        self._ready = True
         if trainer.is_global_zero:
             self.wait()  # one save in flight; its staging copy is freed before the next
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
@@ -222,9 +249,28 @@ class KVCheckpoint(Callback):
             ) from e
 
     def _writer(self) -> KVStorageWriter:
+        # Global rank 0 saves the whole checkpoint, the only process of its node to save.
         if self.tiers is not None:
-            return self.tiers.writer()
-        return KVStorageWriter(self.engines[0], **self.writer_options)
+            return self.tiers.writer(sole_saver=True)
+        return KVStorageWriter(self.engines[0], **{**self.writer_options, "sole_saver": True})
+
+    def _get_ready(self, trainer: pl.Trainer) -> None:
+        """Get the store ready for this callback's saves (``KVStorageWriter.get_ready``: LMDB's
+        pages mapped in, Redis's spares made, on a background thread), so that the first save
+        is as fast as the later ones. Called once, at the end of the first step that saves
+        nothing: the optimizer's state exists only after a step. The state is the tensors of
+        a checkpoint of this step, named as a save names them, gathered as a save gathers them
+        (on every rank: under a sharded strategy a collective) but without the checkpoint
+        hooks a save runs (``on_save_checkpoint``)."""
+        self._ready = True
+        try:
+            state = _checkpoint_tensors(trainer)
+            if not trainer.is_global_zero:
+                return
+            tensors, _ = split_checkpoint(state)
+            self._writer().get_ready(tensors)
+        except Exception as e:  # a head start only: a save reports what is wrong with it
+            logger.info("kvckpt.lightning: the stores were not made ready: %s", e)
 
     def _save(self, checkpoint_id: str, tensors: dict[str, torch.Tensor], skeleton: bytes) -> None:
         save_checkpoint((tensors, skeleton), self._writer(), checkpoint_id)
