@@ -22,21 +22,17 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import tempfile
 import threading
-import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 try:
@@ -87,8 +83,8 @@ except ImportError:  # pragma: no cover - megatron-core >= 0.19
 from .catalog import read_lease
 from .engines.base import Engine
 from .errors import InvalidCheckpointIdError, KVCheckpointError, MetadataError
-from .keys import ItemLocation
 from .manage import remove_items
+from .megatron_write import PlannedWriter, WriteJob, stage
 from .reader import KVStorageReader, fetch_parts
 from .safe_load import load_object
 from .stores import open_store
@@ -152,123 +148,6 @@ def checkpoint_id_for(
 
 
 # -- save ----------------------------------------------------------------------------------
-
-
-class _PlannedWriter(KVStorageWriter):
-    """``KVStorageWriter`` plus the step Megatron's async planner ends with: it remembers the
-    final plan and what each item will write (resolved, not yet copied)."""
-
-    plan: SavePlan
-    resolved: list[tuple[MetadataIndex, Any]]
-
-    def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
-        self.plan = plan
-        self.resolved = [(item.index, planner.resolve_data(item)) for item in plan.items]
-        # write_data records this where it runs; here that may be another process, and the
-        # commit (finish) still has to notice a store that restarted since planning.
-        self._session = plan.storage_data.session
-
-
-class _Resolved:
-    """The one planner call ``KVStorageWriter.write_data`` makes, answered from data resolved
-    (and maybe staged) earlier in the process that planned."""
-
-    def __init__(self, items: list[tuple[MetadataIndex, Any]]) -> None:
-        self._data = dict(items)
-
-    def resolve_data(self, item: WriteItem) -> Any:
-        return self._data[item.index]
-
-
-def _stage(items: list[tuple[MetadataIndex, Any]]) -> list[tuple[MetadataIndex, Any]]:
-    """Copies of what a save writes, taken before training goes on: the write then runs on a
-    thread or in another process while the parameters change (on a GPU, this is the D2H copy)."""
-    staged: list[tuple[MetadataIndex, Any]] = []
-    for index, data in items:
-        if isinstance(data, torch.Tensor):
-            data = data.detach().to("cpu", copy=True)
-        elif isinstance(data, io.BytesIO):
-            data = data.getvalue()
-        staged.append((index, data))
-    return staged
-
-
-class _WriteJob:
-    """The write of one rank's part of a save: Megatron's ``AsyncRequest.async_fn``.
-
-    Megatron runs it in the saving process (``execute_sync``), in a forked process
-    (``TemporalAsyncCaller``) or in a persistent worker it was pickled to. The results (sizes,
-    checksums) must reach the process that commits: in the same process they stay on this
-    object; from another process they come back in a private file (a pipe could fill up and
-    block the writer, and a ``multiprocessing.Manager`` costs a new interpreter per rank).
-    """
-
-    def __init__(self, writer: _PlannedWriter) -> None:
-        self.writer = writer
-        self.plan = writer.plan
-        self.pid = os.getpid()
-        self.results_path = os.path.join(
-            tempfile.gettempdir(), f"kvckpt-megatron-{uuid.uuid4().hex}.msgpack"
-        )
-        self.outcome: list[WriteResult] | BaseException | None = None
-
-    def __call__(
-        self, rank: int, items: list[tuple[MetadataIndex, Any]], results_path: str
-    ) -> None:
-        # (rank, items, results_path): the argument shape Megatron's callers expect, where
-        # ``items`` is replaced by ``preload_fn()``'s staged copy.
-        outcome: list[WriteResult] | BaseException
-        try:
-            planner = _Resolved(items)
-            outcome = self.writer.write_data(self.plan, planner).value()  # type: ignore[arg-type]
-        except BaseException as e:  # reported by finalize, on every rank
-            outcome = e
-        if os.getpid() == self.pid:
-            self.outcome = outcome
-            return
-        if isinstance(outcome, BaseException):
-            doc: dict[str, Any] = {"error": f"{type(outcome).__name__}: {outcome}"}
-        else:
-            doc = {"results": [[wr.size_in_bytes, wr.storage_data.to_fields()] for wr in outcome]}
-        tmp = f"{results_path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(msgpack.packb(doc))
-        os.replace(tmp, results_path)
-
-    def results(self) -> list[WriteResult]:
-        """This rank's write results, once the write has run (here or elsewhere)."""
-        checkpoint_id = self.writer.checkpoint_id
-        outcome = self.outcome
-        if outcome is None:
-            try:
-                with open(self.results_path, "rb") as f:
-                    doc = msgpack.unpackb(f.read())
-            except FileNotFoundError:
-                raise KVCheckpointError(
-                    f"the write of checkpoint {checkpoint_id!r} to {self.writer.engine.url} did "
-                    "not run, or its process died before it finished: run the AsyncRequest "
-                    "(async_fn) before its finalize functions"
-                ) from None
-            finally:
-                with contextlib.suppress(OSError):
-                    os.unlink(self.results_path)
-            if "error" in doc:
-                raise KVCheckpointError(
-                    f"writing checkpoint {checkpoint_id!r} to {self.writer.engine.url} failed "
-                    f"in the async process: {doc['error']}"
-                )
-            outcome = [
-                WriteResult(
-                    index=item.index,
-                    size_in_bytes=size,
-                    storage_data=ItemLocation.from_fields(loc),
-                )
-                for item, (size, loc) in zip(self.plan.items, doc["results"], strict=True)
-            ]
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
 
 
 class KVSaveShardedStrategy(TorchDistSaveShardedStrategy):
@@ -337,7 +216,7 @@ class KVSaveShardedStrategy(TorchDistSaveShardedStrategy):
         common = self._common.pop(checkpoint_id, None)
         if common is not None:
             state_dict[COMMON_FQN] = io.BytesIO(common)
-        writer = _PlannedWriter(self.engine, checkpoint_id=checkpoint_id, **self.writer_options)
+        writer = PlannedWriter(self.engine, checkpoint_id=checkpoint_id, **self.writer_options)
         (_, metadata, dist_wrapper), *_ = save_state_dict_async_plan(
             state_dict,
             writer,
@@ -348,7 +227,7 @@ class KVSaveShardedStrategy(TorchDistSaveShardedStrategy):
             ),
         )
         items, writer.resolved = writer.resolved, []
-        job = _WriteJob(writer)
+        job = WriteJob(writer)
 
         def commit(all_results: list[list[WriteResult]]) -> None:
             writer.finish(metadata, all_results)
@@ -362,8 +241,23 @@ class KVSaveShardedStrategy(TorchDistSaveShardedStrategy):
             job,
             (dist.get_rank(), items, job.results_path),
             [finalize],
-            preload_fn=partial(_stage, items),
+            preload_fn=partial(stage, items),
         )
+
+    def get_ready(self, sharded_state_dict: ShardedStateDict) -> None:
+        """Get the store ready for this job's saves of ``sharded_state_dict``, so that the first
+        save is as fast as the later ones (``KVStorageWriter.get_ready``: LMDB's pages mapped
+        in, Redis's spares made, on a background thread). Returns at once; no collectives.
+
+        Call it on every rank once the state exists, after the first training step (the
+        optimizer's state exists only then), with the sharded state dict a save would get
+        (``model.sharded_state_dict()``, plus the optimizer's). The size is this rank's part
+        of a save: its shards of the main replica, as ``async_save`` plans them."""
+        sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(
+            sharded_state_dict, self.keep_only_main_replica
+        )
+        state_dict: dict[str, Any] = mcore_to_pyt_state_dict(sharded, False)
+        KVStorageWriter(self.engine, **self.writer_options).get_ready(state_dict)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike) -> None:
         """A synchronous save writes the live tensors: no staged copy (``execute_sync``, what

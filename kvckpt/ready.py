@@ -45,18 +45,33 @@ def replicas(value: DTensor) -> int:
 
 
 def share_bytes(state_dict: dict[str, Any], world: int) -> int:
-    """This rank's share of a save: its local shards of sharded tensors, and its part of the
-    replicated tensors, which DCP spreads evenly over the ranks that save them (a DTensor
-    replicated over some mesh dimensions, as under HSDP, counts once per replica)."""
+    """This rank's share of a save: its local shards of sharded tensors (and of tensors that
+    plan their own save), and its part of the replicated tensors, which DCP spreads evenly
+    over the ranks that save them (a DTensor replicated over some mesh dimensions, as under
+    HSDP, counts once per replica)."""
     shards = replicated = 0
     for value in tensors(state_dict):
         if isinstance(value, DTensor):
             shards += -(-value.to_local().nbytes // replicas(value))
         elif isinstance(value, ShardedTensor):
             shards += sum(s.tensor.nbytes for s in value.local_shards())
+        elif hasattr(value, "__create_write_items__"):
+            shards += _chunk_bytes(value)
         else:
             replicated += value.nbytes
     return shards + -(-replicated // world)
+
+
+def _chunk_bytes(value: torch.Tensor) -> int:
+    """The bytes of the chunks a tensor that plans its own save (DCP's ``_Checkpointable``
+    protocol, as Megatron's ``CheckpointableShardedTensor`` and ``LocalShardsContainer``) holds
+    on this rank: what its write items write."""
+    total = 0
+    for item in value.__create_write_items__("", value):  # type: ignore[attr-defined]
+        if item.tensor_data is not None:
+            data = item.tensor_data
+            total += math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+    return total
 
 
 def first_save_values(

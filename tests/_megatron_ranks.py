@@ -280,3 +280,50 @@ def load_job(rank: int, world_size: int, port: int, urls: dict[str, str], root: 
 
 
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+
+
+def ready_job(rank: int, world_size: int, port: int, urls: dict[str, str], root: str) -> None:
+    """``KVSaveShardedStrategy.get_ready`` before a job's first save: each rank makes room for
+    its own part (its shard of a row-parallel weight, the main replica of a replicated bias on
+    rank 0), and the Redis spares it makes are those of the values the first save writes."""
+    from kvckpt.engines._redis_spares import wait_ahead
+    from kvckpt.engines.base import Engine
+    from kvckpt.engines.lmdb import LMDBEngine
+    from kvckpt.keys import data_prefix, spare_key, spare_prefix
+
+    _init(rank, world_size, port)
+    asked: list[int] = []
+    for cls in (Engine, LMDBEngine):  # (LMDB's own, and the one every other engine has)
+
+        def record(self: Engine, nbytes: int, *args: Any, _original: Any = cls.get_ready) -> None:
+            asked.append(nbytes)
+            _original(self, nbytes, *args)
+
+        cls.get_ready = record  # type: ignore[method-assign]
+    weight = torch.full((64, 512), float(rank + 1))  # 128 KiB a rank: Redis keeps spares of it
+    bias = torch.ones(8)
+
+    def state() -> dict[str, Any]:
+        return {
+            "w": ShardedTensor.from_rank_offsets("w", weight, (0, rank, world_size)),
+            "b": ShardedTensor.from_rank_offsets("b", bias, replica_id=rank),
+        }
+
+    for name, url in urls.items():
+        asked.clear()
+        strategy = KVSaveShardedStrategy(url, checkpoint_id=f"ready-{name}")
+        strategy.get_ready(state())
+        assert asked == [weight.nbytes + (bias.nbytes if rank == 0 else 0)], asked
+        if name == "redis":
+            wait_ahead()
+        dist.barrier()
+        engine = strategy.engine
+        made = set(engine.scan(spare_prefix(engine.prefix)))
+        (Path(root) / name).mkdir(parents=True, exist_ok=True)
+        save(state(), Path(root) / name, strategy)
+        if name == "redis":  # every rank's spares, every rank's values
+            written = engine.scan(data_prefix(engine.prefix, f"ready-{name}"))
+            large = [k for k in written if (engine.value_sizes([k])[0] or 0) >= 1 << 16]
+            assert {spare_key(engine.prefix, k) for k in large} == made, (large, made)
+            assert len(made) == world_size
+    _finish()

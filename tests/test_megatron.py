@@ -302,6 +302,13 @@ def test_errors_name_the_checkpoint_and_the_fix(urls: dict[str, str], tmp_path: 
         kvm_save({}, tmp_path, KVSaveShardedStrategy(url), other)
 
 
+def test_get_ready_makes_room_for_each_ranks_part_of_the_first_save(
+    urls: dict[str, str], tmp_path: Path
+) -> None:
+    own = {"lmdb": f"lmdb://{tmp_path / 'store'}", "redis": urls["redis"] + "-ready"}
+    spawn(ranks.ready_job, 2, own, str(tmp_path))
+
+
 def test_import_kvckpt_does_not_import_megatron() -> None:
     code = "import sys, kvckpt; assert not any(m.startswith('megatron') for m in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
