@@ -209,10 +209,7 @@ class KVSaveShardedStrategy(TorchDistSaveShardedStrategy):
         results and commits the checkpoint: until then it does not exist for readers.
         """
         checkpoint_id = checkpoint_id_for(checkpoint_dir, self.checkpoint_id)
-        sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(
-            sharded_state_dict, self.keep_only_main_replica
-        )
-        state_dict: dict[str, Any] = mcore_to_pyt_state_dict(sharded, False)
+        state_dict = self._to_dcp(sharded_state_dict)
         common = self._common.pop(checkpoint_id, None)
         if common is not None:
             state_dict[COMMON_FQN] = io.BytesIO(common)
@@ -253,11 +250,17 @@ class KVSaveShardedStrategy(TorchDistSaveShardedStrategy):
         optimizer's state exists only then), with the sharded state dict a save would get
         (``model.sharded_state_dict()``, plus the optimizer's). The size is this rank's part
         of a save: its shards of the main replica, as ``async_save`` plans them."""
+        state = self._to_dcp(sharded_state_dict)
+        KVStorageWriter(self.engine, **self.writer_options).get_ready(state)
+
+    def _to_dcp(self, sharded_state_dict: ShardedStateDict) -> dict[str, Any]:
+        """The DCP state dict a save of ``sharded_state_dict`` plans: Megatron's translation,
+        with only the main replicas where ``keep_only_main_replica``."""
         sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(
             sharded_state_dict, self.keep_only_main_replica
         )
         state_dict: dict[str, Any] = mcore_to_pyt_state_dict(sharded, False)
-        KVStorageWriter(self.engine, **self.writer_options).get_ready(state_dict)
+        return state_dict
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike) -> None:
         """A synchronous save writes the live tensors: no staged copy (``execute_sync``, what
