@@ -380,7 +380,7 @@ def run_economy(places: Places, econ: Economy, args: argparse.Namespace) -> dict
     return results
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -461,7 +461,11 @@ def main() -> None:
         "the phases not in --phases come from it, and a cut failure phase goes on with the "
         "--systems it has not measured",
     )
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         machine = data.pop("machine")

@@ -335,7 +335,8 @@ def init_distributed(backend: str) -> None:
     )
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The example's flags (``benchmarks/goodput.py`` launches it with them)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--store", action="append", required=True, help="URL, repeatable; or dcp:DIR")
     ap.add_argument("--durable", help="directory for every --durable-every-th checkpoint")
@@ -398,7 +399,11 @@ def main() -> None:
         help="simulate a host per rank: KVCKPT_NODE=host<rank>, and {rank} in --store "
         "replaced by the rank (each host its own store)",
     )
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.host_per_rank:
         rank_text = os.environ["RANK"]
         os.environ["KVCKPT_NODE"] = f"host{rank_text}"

@@ -7,6 +7,12 @@ nothing about where the ranks were stuck. ``spawn`` here waits with a deadline; 
 or anything else that ends the wait (pytest-timeout's exception included), it has every
 process it started write its Python stacks, kills them all, and raises with those stacks in
 the message (``RanksHung`` on its own deadline).
+
+The ranks start from a fork server that has imported torch, DCP and kvckpt once per test
+process (``multiprocessing``'s forkserver with a preload): a fresh interpreter importing them
+takes two seconds and more on a 2-core VM, for every rank of every job. A forked rank gets
+the environment and working directory of the test at the moment it spawns, as a spawned one
+would, not the fork server's.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ import torch.multiprocessing as mp
 
 from kvckpt.testing import free_port
 
+#: What the fork server imports once, before it forks the ranks of every job.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "kvckpt", "kvckpt.tiered"]
+mp.set_forkserver_preload(PRELOAD)
+
 #: Below pytest-timeout's 300 s, so that the deadline, not pytest, ends a hung job.
 DEADLINE_S = 240.0
 
@@ -33,7 +43,12 @@ class RanksHung(TimeoutError):
     """The ranks were still running at the deadline; the message holds their stacks."""
 
 
-def _with_stack_dumps(rank: int, stacks: str, fn: Callable[..., Any], *args: Any) -> None:
+def _with_stack_dumps(
+    rank: int, environ: dict[str, str], cwd: str, stacks: str, fn: Callable[..., Any], *args: Any
+) -> None:
+    os.environ.clear()  # the test's, not the fork server's (started by an earlier test)
+    os.environ.update(environ)
+    os.chdir(cwd)
     # SIGUSR1 appends every thread's stack to this rank's file; a process the rank forks
     # inherits the handler and the file.
     out = open(os.path.join(stacks, f"rank{rank}.txt"), "a")  # noqa: SIM115 (open until exit)
@@ -85,10 +100,10 @@ def spawn(
     with tempfile.TemporaryDirectory(prefix="kvckpt-stacks-") as stacks:
         context = mp.start_processes(
             _with_stack_dumps,
-            args=(stacks, fn, world_size, free_port(), *args),
+            args=(dict(os.environ), os.getcwd(), stacks, fn, world_size, free_port(), *args),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         ranks = [p.pid for p in context.processes]
         end = time.monotonic() + deadline_s

@@ -29,7 +29,8 @@ def test_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
     out = tmp_path / "results"
     result = run_benchmark(
         "run.py",
-        *("--size-mib", "4", "--repeats", "1", "--small-tensors", "50", "--out", str(out)),
+        *("--size-mib", "4", "--repeats", "1", "--small-tensors", "50", "--smoke"),
+        *("--out", str(out)),
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -256,45 +257,60 @@ def test_gpu_benchmark_without_a_gpu_says_so() -> None:
         assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr
 
 
-@pytest.mark.timeout(900)  # about a dozen short 2-rank training jobs on two cores
+@pytest.mark.timeout(600)  # about ten short 2-rank training jobs on two cores
 def test_goodput_smoke_run(tmp_path) -> None:
-    """benchmarks/goodput.py end to end in both economies with a tiny state: each interval
-    estimated and measured once, time to first step, a run with one SIGKILL per system, the
-    relaunch of a job that never checkpoints, all reported (no timing asserted). Of the
-    systems, Tiers with peers: it takes the paths of every other kvckpt system (a node-local
-    LMDB store, Redis, the peers' copies), and each system costs about a dozen jobs here."""
+    """benchmarks/goodput.py end to end with a tiny state: the interval estimated and
+    measured, time to first step, a run with one SIGKILL, the relaunch of a job that never
+    checkpoints, all reported (no timing asserted). One economy and one system: the accel
+    economy, whose runs take the paths of the cpu one but for the model trained
+    (``test_every_economy_trains_with_arguments_the_example_takes``), and Tiers with peers,
+    which takes the paths of every other kvckpt system (a node-local LMDB store, Redis, the
+    peers' copies). Every run here is a 2-rank job of its own."""
     out = tmp_path / "results"
     result = run_benchmark(
         "goodput.py",
-        *("--economy", "accel,cpu", "--accel-state-gib", "0.02", "--accel-step-seconds", "0.05"),
-        *("--cpu-width", "32", "--cpu-layers", "1", "--cpu-modes", "background"),
+        *("--economy", "accel", "--accel-state-gib", "0.02", "--accel-step-seconds", "0.05"),
         *("--steps", "400", "--kills", "4"),
         *("--calibrate-saves", "1", "--calibrate-warmup", "1", "--calibrate-every", "3"),
         *("--verify-steps", "6", "--repeats", "1", "--systems", "tiers-peers"),
         *("--max-busy", "1", "--out", str(out)),
-        timeout=900,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     data = json.loads((out / "goodput.json").read_text())
-    assert set(data["economies"]) == {"accel", "cpu"}
-    for economy in data["economies"].values():
-        assert set(economy["failures"]) == {"tiers-peers"}
-        for system in ("tiers-peers",):  # each interval measured before failures
-            chosen = economy["calibration"][system]
-            assert 1 <= len(chosen["verified"]) <= 3  # more only below half the limit
-            assert economy["failures"][system]["interval"] == chosen["interval"]
-            assert chosen["in_flight_seconds"] > 0
-        for run in economy["failures"].values():
-            (failure,) = run["failures"]
-            assert failure["lost"] == pytest.approx(
-                failure["relaunch"] + failure["restore"] + failure["recompute"]
-            )
-        (alone,) = economy["relaunch_alone"]["failures"]
-        assert alone["relaunch"] > 0
+    assert set(data["economies"]) == {"accel"}
+    economy = data["economies"]["accel"]
+    assert set(economy["failures"]) == {"tiers-peers"}
+    chosen = economy["calibration"]["tiers-peers"]  # the interval measured before failures
+    assert 1 <= len(chosen["verified"]) <= 3  # more only below half the limit
+    assert economy["failures"]["tiers-peers"]["interval"] == chosen["interval"]
+    assert chosen["in_flight_seconds"] > 0
+    (failure,) = economy["failures"]["tiers-peers"]["failures"]
+    assert failure["lost"] == pytest.approx(
+        failure["relaunch"] + failure["restore"] + failure["recompute"]
+    )
+    (alone,) = economy["relaunch_alone"]["failures"]
+    assert alone["relaunch"] > 0
     report = (out / "goodput.md").read_text()
     assert report.startswith("| system | accel: interval")
-    assert "**accel (simulated)" in report and "**cpu:" in report
+    assert "**accel (simulated)" in report
     assert (out / "goodput.png").stat().st_size > 1000
+
+
+def test_every_economy_trains_with_arguments_the_example_takes(monkeypatch) -> None:
+    """Each economy of benchmarks/goodput.py, at its defaults, as ``examples/train_resume.py``
+    parses its arguments: what the smoke run above leaves to the accel economy alone."""
+    goodput = _goodput_module(monkeypatch)
+    from examples import train_resume
+
+    found = goodput.economies(goodput.parser().parse_args(["--cpu-width", "32"]))
+    assert set(found) == {"accel", "cpu", "cuda"}
+    for name, economy in found.items():
+        parsed = train_resume.parser().parse_args(
+            [*economy.train_args, "--store", "lmdb:///dev/shm/x"]
+        )
+        assert parsed is not None, name
+        assert economy.label.startswith(name), economy.label
 
 
 def test_compare_smoke_run(tmp_path) -> None:
@@ -316,9 +332,8 @@ def test_compare_smoke_run(tmp_path) -> None:
     assert (out / "compare.md").read_text().startswith("| case |")
 
 
-def test_goodput_interval_search(monkeypatch) -> None:
-    """verify()'s search: up in proportion while above the limit, down while well under it (by
-    half at most), done when the passing and failing intervals are within 10% or adjacent."""
+def _goodput_module(monkeypatch: pytest.MonkeyPatch):
+    """benchmarks/goodput.py, imported as a script's module."""
     import importlib.util
 
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # its `report` import
@@ -328,6 +343,13 @@ def test_goodput_interval_search(monkeypatch) -> None:
     goodput = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "goodput", goodput)  # its dataclasses look it up
     spec.loader.exec_module(goodput)
+    return goodput
+
+
+def test_goodput_interval_search(monkeypatch) -> None:
+    """verify()'s search: up in proportion while above the limit, down while well under it (by
+    half at most), done when the passing and failing intervals are within 10% or adjacent."""
+    goodput = _goodput_module(monkeypatch)
 
     def search(measured: list[tuple[int, float]]) -> list[int | None]:
         tries: list[dict] = []

@@ -19,7 +19,7 @@ from kvckpt.cli import human_bytes
 from kvckpt.cli_common import count
 from tests.conftest import free_port
 
-from ._cli import ROOT, run
+from ._cli import ROOT, run, run_process
 
 
 def save(url: str, cid: str) -> None:
@@ -141,9 +141,9 @@ def test_export_import_copy_torch_save(lmdb_url: str, redis_url: str, tmp_path) 
 
 def test_exit_codes_and_messages(lmdb_url: str) -> None:
     save(lmdb_url, "here")
-    missing = run("info", lmdb_url, "gone")
-    assert missing.returncode == 3
-    assert "'gone' not found" in missing.stderr and "'here'" in missing.stderr
+    for missing in (run("info", lmdb_url, "gone"), run_process("info", lmdb_url, "gone")):
+        assert missing.returncode == 3  # in this process, and as a shell sees it
+        assert "'gone' not found" in missing.stderr and "'here'" in missing.stderr
     url = f"redis://admin:hunter2@127.0.0.1:{free_port()}/0"
     down = run("ls", url)
     assert down.returncode == 4
@@ -152,6 +152,7 @@ def test_exit_codes_and_messages(lmdb_url: str) -> None:
     assert run("info", lmdb_url, "bad/id").returncode == 2
     assert run("gc", lmdb_url, "--keep-last", "-1").returncode == 2
     assert run("nonsense").returncode == 2
+    assert run_process("ls", lmdb_url).stdout.splitlines()[1].startswith("here ")
 
 
 def test_read_only_commands_never_create_a_store(tmp_path) -> None:

@@ -214,7 +214,7 @@ def test_a_peer_killed_mid_copy_fails_the_copy_not_the_save_and_nothing_half_cop
         args=(world, free_port(), str(root), srv.url(), victim, str(out)),
         nprocs=world,
         join=False,
-        start_method="spawn",
+        start_method="forkserver",  # as spawn() does (tests/_spawn.py)
     )
     for process in context.processes:
         process.join(timeout=120)
