@@ -162,7 +162,7 @@ def checksum_from_cache_times(
     """Bytes hashed and seconds of each of ``repeats`` runs of the checkpoint format's checksum
     (``kvckpt.format.new_checksum``, xxh3) fed ``total`` bytes from one ``piece``-byte buffer
     that stays in the CPU's cache, one thread: the hash's own speed, the part of a verified
-    copy that copying cannot hide (a load copies a piece, then hashes it from the cache)."""
+    copy that copying cannot hide (a load hashes a piece, then copies it from the cache)."""
     buf = torch.randint(0, 256, (piece,), dtype=torch.uint8).numpy().data
     pieces = total // piece
 

@@ -47,8 +47,8 @@ def piece_line(r: dict[str, Any]) -> list[str]:
 
 
 def checksum_line(r: dict[str, Any]) -> list[str]:
-    """The checksum's own speed, and the least it adds to a copy on one core that copies a
-    piece and then hashes it from the cache (a verified load's way): the hash's time, which
+    """The checksum's own speed, and the least it adds to a copy on one core that hashes and
+    copies each piece, one from the cache (a verified load's way): the hash's time, which
     that core's copying does not hide, memcpy's GB/s over the hash's of the copy's time. A load
     copies on two cores; where they share memory's bandwidth, one hashes while the other
     copies faster, and the load's cost can fall below this."""
@@ -59,7 +59,8 @@ def checksum_line(r: dict[str, Any]) -> list[str]:
     if "store_mode_default_memcpy" in r:
         floor = r["store_mode_default_memcpy"]["gbps"] / hashing
         line += (
-            f"; one thread copying a piece, then hashing it from the cache, adds at least"
+            f"; one thread hashing and copying each piece, one of the two from the cache, adds"
+            " at least"
             f" {floor:.3f} of the copy's time (lower is better; a load's two threads, sharing"
             " memory's bandwidth, can hide part of it)"
         )

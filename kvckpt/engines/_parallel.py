@@ -2,7 +2,7 @@
 
 A load from LMDB is a memory copy, and checking a checksum on the same thread is a second pass
 over the bytes: together they nearly double the load. Both release the GIL (numpy's copy,
-xxhash's update), so two threads each copy-and-hash half of the values, and a load that
+xxhash's update), so two threads each hash-and-copy half of the values, and a load that
 verifies takes about as long as one copy on one thread. A save cannot split LMDB's copy (one
 write transaction, one thread), so a second thread hashes each part just before LMDB copies
 it (``HashesAhead``): the hash pulls the bytes into the CPU cache, and LMDB's copy then reads

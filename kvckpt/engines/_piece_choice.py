@@ -1,7 +1,7 @@
 """How much of a value to copy before hashing it, chosen by timing on this machine.
 
-A verified load copies each value out of the store and hashes it. Copying a piece and then
-hashing it while it is still in the CPU's cache reads memory once. How large that piece should
+A verified load copies each value out of the store and hashes it. Hashing a piece and then
+copying it while it is still in the CPU's cache reads memory once. How large that piece should
 be depends on the CPU: its cache sizes and how fast it copies and hashes. On one x86 server CPU
 pieces of half the best size double what checking costs; on another, that best size costs a
 quarter more than pieces of a quarter of it. So a process does not guess from the CPU's model:
