@@ -187,6 +187,15 @@ class NewFileWrites:
     - ``map_copy_t2``: one file, memory-mapped, its pages mapped in on two threads with
       ``MADV_POPULATE_WRITE`` (the kernel allocates, zeroes and maps each page), then the parts
       copied in on one thread (an LMDB store's first save, less LMDB).
+
+    And two that split the difference between them into its parts:
+
+    - ``write_one_file_t2``: ``write_t2`` into one file, each thread writing its half at its
+      offset (what a store kept in one file could do with ``write()``: a file takes one
+      ``write()`` at a time).
+    - ``map_allocated_copy_t2``: ``map_copy_t2`` into a file whose pages ``next_files`` has
+      already allocated (``fallocate``, untimed): what mapping each page in costs, without
+      allocating it.
     """
 
     def __init__(self, sd: dict[str, torch.Tensor], directory: Path, part: int) -> None:
@@ -233,10 +242,44 @@ class NewFileWrites:
         write(self.files[0], half)
         other.join()
 
+    def next_allocated_files(self) -> None:
+        self.next_files()
+        with open(self.files[0], "w+b") as f:
+            os.posix_fallocate(f.fileno(), 0, self.size)
+
+    def write_one_file_t2(self) -> None:
+        half, total = [], 0
+        for p in self.parts:
+            if total >= self.size // 2:
+                break
+            half.append(p)
+            total += p.nbytes
+        rest = self.parts[len(half) :]
+        fd = os.open(self.files[0], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+        def write(parts: list[memoryview], offset: int) -> None:
+            for p in parts:
+                done = 0
+                while done < p.nbytes:
+                    done += os.pwrite(fd, p[done:], offset + done)
+                offset += p.nbytes
+
+        try:
+            other = threading.Thread(target=write, args=(rest, total))
+            other.start()
+            write(half, 0)
+            other.join()
+        finally:
+            os.close(fd)
+
+    def map_allocated_copy_t2(self) -> None:
+        self.map_copy_t2()
+
     def map_copy_t2(self) -> None:
         path = self.files[0]
-        with open(path, "w+b") as f:
-            f.truncate(self.size)
+        with open(path, "r+b" if path.exists() else "w+b") as f:
+            if os.fstat(f.fileno()).st_size != self.size:
+                f.truncate(self.size)
             with mmap.mmap(f.fileno(), self.size) as mm:
                 # the routine an LMDB store's first save maps its new pages in with
                 if not _populate_write(str(path), 0, self.size, threads=2):

@@ -307,6 +307,11 @@ class Bench:
                     # writing into new memory with nothing around it, each way (baselines.py)
                     "new_file_write_t2": (writes.write_t2, writes.next_files),
                     "new_file_map_copy_t2": (maps.map_copy_t2, maps.next_files),
+                    "new_file_write_one_t2": (writes.write_one_file_t2, writes.next_files),
+                    "new_file_map_allocated_copy_t2": (
+                        maps.map_allocated_copy_t2,
+                        maps.next_allocated_files,
+                    ),
                 }
             )
             writes.drop()

@@ -221,6 +221,31 @@ FIRST_SAVE_WAYS = [
     ),
 ]
 
+#: What the difference between the two ways is made of (runs before these cases lack them).
+FIRST_SAVE_PARTS = [
+    (
+        "new memory, two threads of write() into one file / into two files (DCP's way), "
+        "taking turns",
+        "new_file_write_one_t2",
+        "new_file_write_t2",
+        "a file takes one write() at a time",
+    ),
+    (
+        "new memory, mapped in on two threads then copied (LMDB's way) / two threads of "
+        "write() into one file, taking turns",
+        "new_file_map_copy_t2",
+        "new_file_write_one_t2",
+        "",
+    ),
+    (
+        "memory already allocated (fallocate, untimed), mapped in on two threads then copied "
+        "/ new memory, two threads of write() into two files, taking turns",
+        "new_file_map_allocated_copy_t2",
+        "new_file_write_t2",
+        "mapping pages in, without allocating them",
+    ),
+]
+
 #: A time ratio divides median times.
 TIME_RATIOS = [
     ("small tensors, save + load: LMDB / DCP", "small_kv_lmdb", "small_dcp_fs_shm", ""),
@@ -301,6 +326,8 @@ def rows(r: dict[str, Any]) -> list[Row]:
     out = [Row(f"{m} (speed-up)", g(c) / g(b), HIGHER, n) for m, c, b, n in SPEED_UPS]
     if "new_file_write_t2" in r:  # (runs before these cases existed lack them)
         out += [Row(f"{m} (speed-up)", g(c) / g(b), HIGHER, n) for m, c, b, n in FIRST_SAVE_WAYS]
+    if "new_file_write_one_t2" in r:
+        out += [Row(f"{m} (speed-up)", g(c) / g(b), HIGHER, n) for m, c, b, n in FIRST_SAVE_PARTS]
     if "kv_lmdb_save_steady_big_parts" in r:
         out += [Row(f"{m} (speed-up)", g(c) / g(b), HIGHER, n) for m, c, b, n in BIG_LMDB_PARTS]
     if "kv_redis_save_huge_pages" in r:
