@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import os
 import shutil
 import statistics
 import tempfile
@@ -62,16 +63,55 @@ def huge_page_bytes(pid: int) -> int:
     return 0
 
 
+def huge_tmpfs_option(directory: str) -> str:
+    """The ``huge=`` option of the tmpfs ``directory`` lies on (``always`` or ``within_size``);
+    exits naming the problem where it is not on one."""
+    real = os.path.realpath(directory)
+    best, fstype, options = "", "", ""
+    with open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            mnt = fields[1].replace("\\040", " ")
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, fstype, options = mnt, fields[2], fields[3]
+    huge = [o.removeprefix("huge=") for o in options.split(",") if o.startswith("huge=")]
+    if fstype != "tmpfs" or not huge or huge[0] not in ("always", "within_size"):
+        raise SystemExit(
+            f"--huge-tmpfs {directory}: not on a tmpfs of huge pages ({fstype or 'no mount'} at "
+            f"{best or '?'}, options {options or '-'}). Mount one, as root: "
+            "mount -t tmpfs -o size=8g,huge=within_size tmpfs DIR"
+        )
+    return f"huge={huge[0]}"
+
+
+def shmem_huge_bytes() -> int:
+    """Bytes of tmpfs and shared memory the kernel holds in huge pages (``ShmemHugePages``)."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("ShmemHugePages:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 class Bench:
     """One benchmark run: the state dict, the stores and the Redis server every section
     shares, and the results table each section records into."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.reps = args, args.repeats
+        huge_mount = (
+            huge_tmpfs_option(args.huge_tmpfs) if getattr(args, "huge_tmpfs", None) else None
+        )
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self.shm = shm
         self.scratch = Path(tempfile.mkdtemp(prefix="kvckpt-bench-", dir=shm))
         self.disk = Path(tempfile.mkdtemp(prefix="kvckpt-bench-", dir=args.disk_dir))
+        #: A tmpfs of huge pages (``--huge-tmpfs``), for the first saves, or None
+        self.huge_tmpfs = (
+            None
+            if huge_mount is None
+            else Path(tempfile.mkdtemp(prefix="kvckpt-bench-", dir=args.huge_tmpfs))
+        )
         redis_dir = Path(tempfile.mkdtemp(prefix="kvckpt-bench-redis-"))
         unix_socket = redis_dir / "redis.sock"
         self.server = RedisServer(
@@ -81,6 +121,8 @@ class Bench:
         self.unix_url = f"unix://{unix_socket}"
         self.client = self.server.client()
         self.results: dict[str, Any] = {}
+        if huge_mount is not None:
+            self.results["huge_tmpfs_mount"] = huge_mount
         self._seq = iter(range(10**9))
         #: Checkpoint ids that never repeat (saves with keep_last)
         self.ids = (f"c{i}" for i in range(10**9))
@@ -129,6 +171,8 @@ class Bench:
         shutil.rmtree(self.server.workdir, ignore_errors=True)
         shutil.rmtree(self.scratch, ignore_errors=True)
         shutil.rmtree(self.disk, ignore_errors=True)
+        if self.huge_tmpfs is not None:
+            shutil.rmtree(self.huge_tmpfs, ignore_errors=True)
 
     # -- the sections, in the order they run ---------------------------------------------
 
@@ -287,33 +331,46 @@ class Bench:
             writes = NewFileWrites(sd, self.scratch / "writes", lmdb_part)
             maps = NewFileWrites(sd, self.scratch / "maps", lmdb_part)
             dcp_dirs.save_keep1()
-            self.record_turns(
-                {
-                    "kv_lmdb_save_first": (first.save, first.next_store),
-                    "kv_lmdb_save_steady": (self.steady_save(steady), None),
-                    "kv_lmdb_save_steady_big_parts": (self.steady_save(big_parts), None),
-                    "dcp_fs_shm_save_t1_turns": (dcp_dirs.save(1), dcp_dirs.next_dir(1)),
-                    "dcp_fs_shm_save_t2_turns": (dcp_dirs.save(2), dcp_dirs.next_dir(2)),
-                    "raw_redis_set": (lambda: raw.set_many(items), flush),
-                    "kv_redis_save": (self.kv_save(redis_url), flush),
-                    "kv_redis_save_nosum": (self.kv_save(redis_url, checksums=False), flush),
-                    # checksums hashed on a worker thread while the engine sends (how engines
-                    # without hashes_while_writing hash)
-                    "kv_redis_save_sum_thread": (self.kv_save(thread_hashing), flush),
-                    "kv_redis_unix_save": (self.kv_save(self.unix_url), flush),
-                    "kv_redis_save_huge_pages": (self.kv_save(huge_url), flush_huge),
-                    "kv_redis_save_steady": (self.steady_save(steady_redis), None),
-                    "dcp_fs_shm_save_t1_keep1": (dcp_dirs.save_keep1, None),
-                    # writing into new memory with nothing around it, each way (baselines.py)
-                    "new_file_write_t2": (writes.write_t2, writes.next_files),
-                    "new_file_map_copy_t2": (maps.map_copy_t2, maps.next_files),
-                    "new_file_write_one_t2": (writes.write_one_file_t2, writes.next_files),
-                    "new_file_map_allocated_copy_t2": (
-                        maps.map_allocated_copy_t2,
-                        maps.next_allocated_files,
-                    ),
-                }
-            )
+            cases: Cases = {
+                "kv_lmdb_save_first": (first.save, first.next_store),
+                "kv_lmdb_save_steady": (self.steady_save(steady), None),
+                "kv_lmdb_save_steady_big_parts": (self.steady_save(big_parts), None),
+                "dcp_fs_shm_save_t1_turns": (dcp_dirs.save(1), dcp_dirs.next_dir(1)),
+                "dcp_fs_shm_save_t2_turns": (dcp_dirs.save(2), dcp_dirs.next_dir(2)),
+                "raw_redis_set": (lambda: raw.set_many(items), flush),
+                "kv_redis_save": (self.kv_save(redis_url), flush),
+                "kv_redis_save_nosum": (self.kv_save(redis_url, checksums=False), flush),
+                # checksums hashed on a worker thread while the engine sends (how engines
+                # without hashes_while_writing hash)
+                "kv_redis_save_sum_thread": (self.kv_save(thread_hashing), flush),
+                "kv_redis_unix_save": (self.kv_save(self.unix_url), flush),
+                "kv_redis_save_huge_pages": (self.kv_save(huge_url), flush_huge),
+                "kv_redis_save_steady": (self.steady_save(steady_redis), None),
+                "dcp_fs_shm_save_t1_keep1": (dcp_dirs.save_keep1, None),
+                # writing into new memory with nothing around it, each way (baselines.py)
+                "new_file_write_t2": (writes.write_t2, writes.next_files),
+                "new_file_map_copy_t2": (maps.map_copy_t2, maps.next_files),
+                "new_file_write_one_t2": (writes.write_one_file_t2, writes.next_files),
+                "new_file_map_allocated_copy_t2": (
+                    maps.map_allocated_copy_t2,
+                    maps.next_allocated_files,
+                ),
+            }
+            if self.huge_tmpfs is not None:  # the first saves on a tmpfs of huge pages too
+                huge_first = _FirstStores(self, self.huge_tmpfs)
+                huge_dcp = _DcpDirs(self, self.huge_tmpfs)
+                cases["kv_lmdb_save_first_huge_tmpfs"] = (huge_first.save, huge_first.next_store)
+                cases["dcp_fs_huge_tmpfs_save_t2_turns"] = (huge_dcp.save(2), huge_dcp.next_dir(2))
+            self.record_turns(cases)
+            if self.huge_tmpfs is not None:
+                # how much of a first save's memory the tmpfs gave it in huge pages
+                huge_first.drop()
+                before = shmem_huge_bytes()
+                huge_first.next_store()
+                huge_first.save()
+                self.results["huge_tmpfs_huge_pages_bytes"] = shmem_huge_bytes() - before
+                huge_first.drop()
+                huge_dcp.drop()
             writes.drop()
             maps.drop()
             first.drop()
@@ -540,8 +597,9 @@ class _FirstStores:
     """The first save into a new LMDB store: each turn gets a new store, after the previous
     one is deleted."""
 
-    def __init__(self, bench: Bench) -> None:
+    def __init__(self, bench: Bench, root: Path | None = None) -> None:
         self.bench, self.urls = bench, list[str]()
+        self.root = bench.scratch if root is None else root
 
     def drop(self) -> None:
         # closing only these stores: unmapping the steady store would make its next save
@@ -553,7 +611,7 @@ class _FirstStores:
 
     def next_store(self) -> None:
         self.drop()
-        self.urls.append(f"lmdb://{self.bench.fresh(self.bench.scratch)}")
+        self.urls.append(f"lmdb://{self.bench.fresh(self.root)}")
 
     def save(self) -> None:
         dcp.save(self.bench.sd, storage_writer=KVStorageWriter(self.urls[-1]), checkpoint_id="c")
@@ -563,8 +621,9 @@ class _DcpDirs:
     """DCP's saves that take turns: into a new directory (the previous one deleted just
     before), and keeping one (the previous one deleted after the save, inside the timing)."""
 
-    def __init__(self, bench: Bench) -> None:
+    def __init__(self, bench: Bench, root: Path | None = None) -> None:
         self.bench = bench
+        self.root = bench.scratch if root is None else root
         self.turn_dirs: dict[int, list[Path]] = {1: [], 2: []}
         self.keep1_dirs: list[Path] = []
 
@@ -572,7 +631,7 @@ class _DcpDirs:
         def setup() -> None:
             for old in self.turn_dirs[threads]:
                 shutil.rmtree(old, ignore_errors=True)
-            self.turn_dirs[threads][:] = [self.bench.fresh(self.bench.scratch)]
+            self.turn_dirs[threads][:] = [self.bench.fresh(self.root)]
 
         return setup
 

@@ -77,6 +77,13 @@ def parser() -> argparse.ArgumentParser:
         "--repeats rounds instead of whole rotations (the test suite's run)",
     )
     p.add_argument("--disk-dir", default=None, help="a directory on disk (default: /tmp)")
+    p.add_argument(
+        "--huge-tmpfs",
+        default=None,
+        metavar="DIR",
+        help="a directory on a tmpfs mounted with huge=within_size or huge=always: the first "
+        "saves, LMDB's and DCP's two-thread one, are timed there too",
+    )
     p.add_argument("--out", default="benchmarks/results", help="where results go")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
     p.add_argument(

@@ -180,6 +180,36 @@ HUGE_PAGE_SERVER = [
     ),
 ]
 
+#: The first saves on a tmpfs mounted with ``huge=`` (``run.py --huge-tmpfs``), whose pages are
+#: allocated and mapped 2 MiB at a time
+HUGE_TMPFS = [
+    (
+        "LMDB save first, new store, on a tmpfs of huge pages / DCP FS t=2 on the same tmpfs, "
+        "taking turns",
+        "kv_lmdb_save_first_huge_tmpfs",
+        "dcp_fs_huge_tmpfs_save_t2_turns",
+        "tmpfs",
+    ),
+    (
+        "LMDB save first, new store, on a tmpfs of huge pages / on /dev/shm, taking turns",
+        "kv_lmdb_save_first_huge_tmpfs",
+        "kv_lmdb_save_first",
+        "",
+    ),
+    (
+        "LMDB save first, new store, on a tmpfs of huge pages / DCP FS shm t=2, taking turns",
+        "kv_lmdb_save_first_huge_tmpfs",
+        "dcp_fs_shm_save_t2_turns",
+        "",
+    ),
+    (
+        "DCP FS t=2 on a tmpfs of huge pages / on /dev/shm, taking turns",
+        "dcp_fs_huge_tmpfs_save_t2_turns",
+        "dcp_fs_shm_save_t2_turns",
+        "",
+    ),
+]
+
 #: LMDB's steady save with parts larger than glibc's non-temporal threshold
 #: (``bench.BIG_LMDB_PARTS``)
 BIG_LMDB_PARTS = [
@@ -340,6 +370,14 @@ def rows(r: dict[str, Any]) -> list[Row]:
                 f"{n}; {held:.0f} MiB in huge pages" if n else n,
             )
             for m, c, b, n in HUGE_PAGE_SERVER
+        ]
+    if "kv_lmdb_save_first_huge_tmpfs" in r:
+        mount = r.get("huge_tmpfs_mount", "huge=?")
+        held = r.get("huge_tmpfs_huge_pages_bytes", 0) / 2**20
+        note = f"tmpfs {mount}; {held:.0f} MiB of a first save in huge pages"
+        out += [
+            Row(f"{m} (speed-up)", g(c) / g(b), HIGHER, note if n else n)
+            for m, c, b, n in HUGE_TMPFS
         ]
     out += [Row(f"{m} (time ratio)", t(c) / t(b), LOWER, n) for m, c, b, n in TIME_RATIOS]
     for label, ours in (("LMDB", "kv_lmdb_huge"), ("Redis", "kv_redis_huge")):

@@ -449,3 +449,28 @@ def test_hosts_table_in_performance_md_is_the_published_runs() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() in page
     assert result.stdout.count("\n| ") == len(command.split()[2:])  # a row for each
+
+
+def test_first_saves_on_a_tmpfs_of_huge_pages(monkeypatch, tmp_path) -> None:
+    """``run.py --huge-tmpfs``: its rows where a run timed the first saves there (the mount's
+    option and the huge pages a first save got in each note), none where it did not; and a
+    directory that is not on a tmpfs of huge pages is refused, saying how to mount one."""
+    t = targets(monkeypatch)
+    results = fabricated_results()
+    assert not any("tmpfs of huge pages" in row.metric for row in t.rows(results))
+    results["kv_lmdb_save_first_huge_tmpfs"] = {"median_s": 0.5, "gbps": 2.0, "runs_s": [0.5]}
+    results.update(huge_tmpfs_mount="huge=within_size", huge_tmpfs_huge_pages_bytes=1 << 30)
+    huge = {r.metric: r for r in t.rows(results) if "tmpfs of huge pages" in r.metric}
+    assert len(huge) == len(t.HUGE_TMPFS) == 4
+    first = huge[
+        "LMDB save first, new store, on a tmpfs of huge pages / on /dev/shm, taking turns "
+        "(speed-up)"
+    ]
+    assert first.value == 2.0
+    notes = {r.note for r in huge.values()} - {""}
+    assert notes == {"tmpfs huge=within_size; 1024 MiB of a first save in huge pages"}
+
+    result = run_benchmark("run.py", "--huge-tmpfs", str(tmp_path), "--out", str(tmp_path / "o"))
+    assert result.returncode != 0
+    assert f"--huge-tmpfs {tmp_path}: not on a tmpfs of huge pages" in result.stderr
+    assert "huge=within_size" in result.stderr and not (tmp_path / "o").exists()
