@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import os
 import shutil
 import statistics
 import tempfile
@@ -34,6 +33,7 @@ from workload import MIB, check, make_state_dict, nbytes, tensor_parts, zero, ze
 
 import kvckpt
 from kvckpt import KVStorageReader, KVStorageWriter
+from kvckpt.engines._pages import mount_of
 from kvckpt.engines.lmdb import close_idle_environments
 from kvckpt.testing import RedisServer
 
@@ -66,19 +66,12 @@ def huge_page_bytes(pid: int) -> int:
 def huge_tmpfs_option(directory: str) -> str:
     """The ``huge=`` option of the tmpfs ``directory`` lies on (``always`` or ``within_size``);
     exits naming the problem where it is not on one."""
-    real = os.path.realpath(directory)
-    best, fstype, options = "", "", ""
-    with open("/proc/self/mounts") as mounts:
-        for line in mounts:
-            fields = line.split()
-            mnt = fields[1].replace("\\040", " ")
-            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, fstype, options = mnt, fields[2], fields[3]
-    huge = [o.removeprefix("huge=") for o in options.split(",") if o.startswith("huge=")]
+    mnt, fstype, options = mount_of(directory)
+    huge = [o.removeprefix("huge=") for o in options if o.startswith("huge=")]
     if fstype != "tmpfs" or not huge or huge[0] not in ("always", "within_size"):
         raise SystemExit(
             f"--huge-tmpfs {directory}: not on a tmpfs of huge pages ({fstype or 'no mount'} at "
-            f"{best or '?'}, options {options or '-'}). Mount one, as root: "
+            f"{mnt or '?'}, options {','.join(options) or '-'}). Mount one, as root: "
             "mount -t tmpfs -o size=8g,huge=within_size tmpfs DIR"
         )
     return f"huge={huge[0]}"

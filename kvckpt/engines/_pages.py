@@ -99,21 +99,27 @@ def _populate_write(data_file: str, offset: int, length: int, threads: int = 0) 
         return False
 
 
-def _on_tmpfs(path: str) -> bool:
-    """Whether ``path`` lies on a tmpfs (where ``fallocate`` is the expensive part: it
-    allocates and zeroes every page, in one thread)."""
+def mount_of(path: str) -> tuple[str, str, list[str]]:
+    """The innermost mount holding ``path``: (mount point, filesystem type, its options), or
+    ("", "", []) where ``/proc/self/mounts`` cannot be read."""
     real = os.path.realpath(path)
-    best, fstype = "", ""
+    best: tuple[str, str, list[str]] = ("", "", [])
     try:
         with open("/proc/self/mounts") as mounts:
             for line in mounts:
                 fields = line.split()
-                if len(fields) < 3:
+                if len(fields) < 4:
                     continue
                 mnt = fields[1].replace("\\040", " ")
                 under = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-                if under and len(mnt) >= len(best):  # the innermost mount holding the path
-                    best, fstype = mnt, fields[2]
+                if under and len(mnt) >= len(best[0]):
+                    best = (mnt, fields[2], fields[3].split(","))
     except OSError:
-        return False
-    return fstype == "tmpfs"
+        pass
+    return best
+
+
+def _on_tmpfs(path: str) -> bool:
+    """Whether ``path`` lies on a tmpfs (where ``fallocate`` is the expensive part: it
+    allocates and zeroes every page, in one thread)."""
+    return mount_of(path)[1] == "tmpfs"
