@@ -193,9 +193,9 @@ class NewFileWrites:
     - ``write_one_file_t2``: ``write_t2`` into one file, each thread writing its half at its
       offset (what a store kept in one file could do with ``write()``: a file takes one
       ``write()`` at a time).
-    - ``map_allocated_copy_t2``: ``map_copy_t2`` into a file whose pages ``next_files`` has
-      already allocated (``fallocate``, untimed): what mapping each page in costs, without
-      allocating it.
+    - ``map_copy_t2`` after ``next_allocated_files``, into a file whose pages are already
+      allocated (``fallocate``, untimed): what mapping each page in costs, without allocating
+      it.
     """
 
     def __init__(self, sd: dict[str, torch.Tensor], directory: Path, part: int) -> None:
@@ -216,24 +216,32 @@ class NewFileWrites:
         shutil.rmtree(self.directory, ignore_errors=True)
         self.files = []
 
-    def write_t2(self) -> None:
+    def _halves(self) -> tuple[list[memoryview], list[memoryview], int]:
+        """The parts in two lists: the first half of the bytes, then the rest; and the first
+        half's size."""
         half, total = [], 0
-        for p in self.parts:  # the first half of the bytes to one thread, the rest to the other
+        for p in self.parts:
             if total >= self.size // 2:
                 break
             half.append(p)
             total += p.nbytes
-        rest = self.parts[len(half) :]
+        return half, self.parts[len(half) :], total
+
+    @staticmethod
+    def _pwrite(fd: int, parts: list[memoryview], offset: int) -> None:
+        for p in parts:
+            done = 0
+            while done < p.nbytes:
+                done += os.pwrite(fd, p[done:], offset + done)
+            offset += p.nbytes
+
+    def write_t2(self) -> None:
+        half, rest, _ = self._halves()
 
         def write(path: Path, parts: list[memoryview]) -> None:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                offset = 0
-                for p in parts:
-                    done = 0
-                    while done < p.nbytes:
-                        done += os.pwrite(fd, p[done:], offset + done)
-                    offset += p.nbytes
+                self._pwrite(fd, parts, 0)
             finally:
                 os.close(fd)
 
@@ -242,38 +250,23 @@ class NewFileWrites:
         write(self.files[0], half)
         other.join()
 
-    def next_allocated_files(self) -> None:
-        self.next_files()
-        with open(self.files[0], "w+b") as f:
-            os.posix_fallocate(f.fileno(), 0, self.size)
-
     def write_one_file_t2(self) -> None:
-        half, total = [], 0
-        for p in self.parts:
-            if total >= self.size // 2:
-                break
-            half.append(p)
-            total += p.nbytes
-        rest = self.parts[len(half) :]
+        half, rest, at = self._halves()
         fd = os.open(self.files[0], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-
-        def write(parts: list[memoryview], offset: int) -> None:
-            for p in parts:
-                done = 0
-                while done < p.nbytes:
-                    done += os.pwrite(fd, p[done:], offset + done)
-                offset += p.nbytes
-
         try:
-            other = threading.Thread(target=write, args=(rest, total))
+            other = threading.Thread(target=self._pwrite, args=(fd, rest, at))
             other.start()
-            write(half, 0)
+            self._pwrite(fd, half, 0)
             other.join()
         finally:
             os.close(fd)
 
-    def map_allocated_copy_t2(self) -> None:
-        self.map_copy_t2()
+    def next_allocated_files(self) -> None:
+        """``next_files``, with the first file's pages allocated (``map_copy_t2`` then maps
+        them in without allocating them)."""
+        self.next_files()
+        with open(self.files[0], "w+b") as f:
+            os.posix_fallocate(f.fileno(), 0, self.size)
 
     def map_copy_t2(self) -> None:
         path = self.files[0]

@@ -344,10 +344,7 @@ class Bench:
                 "new_file_write_t2": (writes.write_t2, writes.next_files),
                 "new_file_map_copy_t2": (maps.map_copy_t2, maps.next_files),
                 "new_file_write_one_t2": (writes.write_one_file_t2, writes.next_files),
-                "new_file_map_allocated_copy_t2": (
-                    maps.map_allocated_copy_t2,
-                    maps.next_allocated_files,
-                ),
+                "new_file_map_allocated_copy_t2": (maps.map_copy_t2, maps.next_allocated_files),
             }
             if self.huge_tmpfs is not None:  # the first saves on a tmpfs of huge pages too
                 huge_first = _FirstStores(self, self.huge_tmpfs)
