@@ -346,21 +346,21 @@ class Bench:
                 "new_file_write_one_t2": (writes.write_one_file_t2, writes.next_files),
                 "new_file_map_allocated_copy_t2": (maps.map_copy_t2, maps.next_allocated_files),
             }
-            if self.huge_tmpfs is not None:  # the first saves on a tmpfs of huge pages too
-                huge_first = _FirstStores(self, self.huge_tmpfs)
-                huge_dcp = _DcpDirs(self, self.huge_tmpfs)
+            tmpfs = self.huge_tmpfs  # the first saves on a tmpfs of huge pages too
+            huge_first = None if tmpfs is None else _FirstStores(self, tmpfs)
+            huge_dcp = None if tmpfs is None else _DcpDirs(self, tmpfs)
+            if huge_first is not None and huge_dcp is not None:
                 cases["kv_lmdb_save_first_huge_tmpfs"] = (huge_first.save, huge_first.next_store)
                 cases["dcp_fs_huge_tmpfs_save_t2_turns"] = (huge_dcp.save(2), huge_dcp.next_dir(2))
             self.record_turns(cases)
-            if self.huge_tmpfs is not None:
+            if huge_first is not None and huge_dcp is not None:
                 # how much of a first save's memory the tmpfs gave it in huge pages
-                huge_first.drop()
+                huge_dcp.drop()
+                huge_first.next_store()  # (drops the last turn's store)
                 before = shmem_huge_bytes()
-                huge_first.next_store()
                 huge_first.save()
                 self.results["huge_tmpfs_huge_pages_bytes"] = shmem_huge_bytes() - before
                 huge_first.drop()
-                huge_dcp.drop()
             writes.drop()
             maps.drop()
             first.drop()
