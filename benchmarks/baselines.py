@@ -176,6 +176,25 @@ def checksum_from_cache_times(
     return pieces * piece, timed(hash_all, repeats)
 
 
+def checksum_from_memory_times(
+    repeats: int, piece: int = MIB, total: int = 1 << 30
+) -> tuple[int, list[float]]:
+    """Bytes hashed and seconds of each of ``repeats`` runs of the checksum fed ``total``
+    bytes in ``piece``-byte pieces of one buffer far larger than the CPU's cache, one thread:
+    what hashing costs a copy that leaves nothing of what it read in the cache (a copy with
+    ``rep movsb`` on some x86 CPUs), so that hashing a piece first reads it from memory."""
+    data = torch.randint(0, 256, (total,), dtype=torch.uint8).numpy()
+
+    def hash_all() -> None:
+        h = new_checksum()
+        for start in range(0, total, piece):
+            h.update(data[start : start + piece].data)
+        h.intdigest()
+
+    hash_all()
+    return total, timed(hash_all, repeats)
+
+
 class NewFileWrites:
     """The two ways of writing a state dict's bytes into memory the kernel has to allocate, with
     no checkpointing library around them, each into a new file on a tmpfs (the previous one

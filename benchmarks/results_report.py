@@ -47,22 +47,33 @@ def piece_line(r: dict[str, Any]) -> list[str]:
 
 
 def checksum_line(r: dict[str, Any]) -> list[str]:
-    """The checksum's own speed, and the least it adds to a copy on one core that hashes and
-    copies each piece, one from the cache (a verified load's way): the hash's time, which
-    that core's copying does not hide, memcpy's GB/s over the hash's of the copy's time. A load
-    copies on two cores; where they share memory's bandwidth, one hashes while the other
-    copies faster, and the load's cost can fall below this."""
+    """The checksum's own speed, from the cache and from memory, and what it adds to a copy on
+    one core that hashes and copies each piece (a verified load's way): at least the hash's
+    time from the cache, memcpy's GB/s over the hash's of the copy's time, where the copy
+    reads the piece the hash left in the cache or leaves what it read there; the hash's time
+    from memory where it does neither (memcpy's ``rep movsb`` on some x86 CPUs). A load copies
+    on two cores; where they share memory's bandwidth, one hashes while the other copies
+    faster, and the load's cost can fall below these."""
     if "checksum_from_cache" not in r:
         return []
     hashing = r["checksum_from_cache"]["gbps"]
     line = f"- the checksum (xxh3), one thread, from the CPU's cache: {hashing:.1f} GB/s"
+    if "checksum_from_memory" in r:
+        line += f", from memory: {r['checksum_from_memory']['gbps']:.1f} GB/s"
     if "store_mode_default_memcpy" in r:
-        floor = r["store_mode_default_memcpy"]["gbps"] / hashing
+        copy = r["store_mode_default_memcpy"]["gbps"]
         line += (
             f"; one thread hashing and copying each piece, one of the two from the cache, adds"
-            " at least"
-            f" {floor:.3f} of the copy's time (lower is better; a load's two threads, sharing"
-            " memory's bandwidth, can hide part of it)"
+            f" at least {copy / hashing:.3f} of the copy's time"
+        )
+        if "checksum_from_memory" in r:
+            line += (
+                f", and {copy / r['checksum_from_memory']['gbps']:.3f} where the copy neither"
+                " reads the piece from the cache nor leaves it there"
+            )
+        line += (
+            " (lower is better; a load's two threads, sharing memory's bandwidth, can hide"
+            " part of it)"
         )
     return [line]
 

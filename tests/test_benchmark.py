@@ -56,6 +56,7 @@ def test_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
         "store_mode_default_memcpy",
         "store_mode_nt_memcpy",
         "checksum_from_cache",
+        "checksum_from_memory",
         "kv_redis_save_huge_pages",
         "kv_lmdb_save_steady_big_parts",
     ):
@@ -72,6 +73,7 @@ def test_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
     assert "- memcpy, one thread" in report and " GB/s with glibc's default" in report
     assert "copy-and-hash piece, chosen by timing" in report
     assert "- the checksum (xxh3), one thread, from the CPU's cache: " in report
+    assert ", from memory: " in report and "neither reads the piece from the cache" in report
     assert "adds at least" in report and "a load's two threads, sharing" in report
     assert "| metric | better | measured | target | pass | note |" in report
     assert (out / "results.png").stat().st_size > 1000
