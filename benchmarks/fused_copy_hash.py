@@ -1,14 +1,17 @@
 """What checking a load costs when the copy and the hash are fused in native code.
 
 A verified LMDB load copies each value out of the memory map and hashes it with xxh3; kvckpt
-copies a piece with numpy and hashes it with python-xxhash while it is still in the cache
+hashes a piece with python-xxhash and then copies it with numpy while it is still in the cache
 (``kvckpt.engines.base.copy_and_hash``). This measures whether native code could do better:
 the same 1 GiB, two threads taking alternate 4 MiB values (as a load's two copy threads do),
-copied without a hash (the baseline), by kvckpt's pieces, and by C loops built with xxHash's
-own AVX2 kernel that copy and hash 1 KiB at a time (one xxh3 block: the bytes never leave L1),
-in both orders, and with software prefetch 8 KiB ahead. Every C digest is checked against
-python-xxhash's. Cases take turns; the median, p90 and slowest round are printed, and the
-median as extra time over the plain copy's (the checksum cost ``benchmarks/run.py`` reports).
+copied without a hash (numpy's copy, glibc's memcpy; and a C loop of non-temporal stores, which
+write around the cache without reading each destination line first), by kvckpt's pieces, and by
+C loops built with xxHash's own AVX2 kernel that copy and hash 1 KiB at a time (one xxh3 block:
+the bytes never leave L1): in both orders, with software prefetch 8 KiB ahead, and hashing each
+block and then writing it out with non-temporal stores. Every C digest is checked against
+python-xxhash's. Cases take turns; the median, p90 and slowest round are printed, and the median
+as extra time over each plain copy's (the checksum cost ``benchmarks/run.py`` reports is the one
+over numpy's copy, which an unverified load runs).
 
 It needs gcc and xxHash's single header, which the xxhash sdist ships:
 
@@ -36,12 +39,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 from timing import p90, threads_seconds
 
 # mode 0: copy a block, hash the copy; 1: hash the source block, copy it from L1;
-# 2: as 1, with the source and the destination prefetched 8 KiB ahead.
+# 2: as 1, with the source and the destination prefetched 8 KiB ahead; 3: as 1, the copy
+# with non-temporal stores. copy_nt: a copy with non-temporal stores alone.
 _C_SOURCE = r"""
 #define XXH_INLINE_ALL
 #include "xxhash.h"
+#include <stdint.h>
 #include <string.h>
 #include <x86intrin.h>
+static void copy_stream(xxh_u8 *d, const xxh_u8 *s, size_t n) {
+    if (((uintptr_t)d & 31) || (n & 31)) { memcpy(d, s, n); return; }
+    for (size_t k = 0; k < n; k += 32)
+        _mm256_stream_si256((__m256i *)(d + k), _mm256_loadu_si256((const __m256i *)(s + k)));
+}
+void copy_nt(void *dst, const void *src, size_t len) {
+    copy_stream(dst, src, len); _mm_sfence();
+}
 uint64_t copy_hash(void *dst, const void *src, size_t len, int mode) {
     const xxh_u8 *in = src; xxh_u8 *out = dst;
     if (len <= XXH3_MIDSIZE_MAX) { memcpy(out, in, len); return XXH3_64bits(out, len); }
@@ -58,10 +71,12 @@ uint64_t copy_hash(void *dst, const void *src, size_t len, int mode) {
                     _mm_prefetch((const char *)s + 8192 + k, _MM_HINT_T0);
                     _m_prefetchw(d + 8192 + k);
                 }
-            XXH3_accumulate(acc, s, secret, stripes); memcpy(d, s, block);
+            XXH3_accumulate(acc, s, secret, stripes);
+            if (mode == 3) copy_stream(d, s, block); else memcpy(d, s, block);
         }
         XXH3_scrambleAcc(acc, secret + secret_size - XXH_STRIPE_LEN);
     }
+    if (mode == 3) _mm_sfence();
     size_t done = blocks * block;
     memcpy(out + done, in + done, len - done);
     XXH3_accumulate(acc, out + done, secret, ((len - 1) - done) / XXH_STRIPE_LEN);
@@ -70,7 +85,12 @@ uint64_t copy_hash(void *dst, const void *src, size_t len, int mode) {
     return XXH3_mergeAccs(acc, secret + XXH_SECRET_MERGEACCS_START, (xxh_u64)len * XXH_PRIME64_1);
 }
 """
-_MODES = {"fused, copy then hash": 0, "fused, hash then copy": 1, "fused, prefetched": 2}
+_MODES = {
+    "fused, copy then hash": 0,
+    "fused, hash then copy": 1,
+    "fused, prefetched": 2,
+    "fused, hash then stream out": 3,
+}
 _VALUE = 4 << 20
 _PIECES = (256 << 10, 512 << 10, 1 << 20, 2 << 20)
 
@@ -84,6 +104,8 @@ def _build(header: Path, workdir: Path) -> ctypes.CDLL:
     dll = ctypes.CDLL(str(lib))
     dll.copy_hash.restype = ctypes.c_uint64
     dll.copy_hash.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    dll.copy_nt.restype = None
+    dll.copy_nt.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     return dll
 
 
@@ -122,9 +144,9 @@ def main() -> None:
         def step(at: int) -> int:  # kvckpt's copy_and_hash, with the piece size fixed
             hasher = xxhash.xxh3_64()
             for start in range(at, at + _VALUE, size):
-                piece = dst[start : start + size]
-                np.copyto(piece, src[start : start + size])
+                piece = src[start : start + size]
                 hasher.update(piece.data)
+                np.copyto(dst[start : start + size], piece)
             return hasher.intdigest()
 
         return step
@@ -132,7 +154,13 @@ def main() -> None:
     def native(mode: int) -> Callable[[int], int]:
         return lambda at: dll.copy_hash(dp + at, sp + at, _VALUE, mode)
 
-    cases: dict[str, Callable[[int], object]] = {"copy alone (numpy)": plain}
+    def streamed(at: int) -> None:
+        dll.copy_nt(dp + at, sp + at, _VALUE)
+
+    cases: dict[str, Callable[[int], object]] = {
+        "copy alone (numpy)": plain,
+        "copy alone (non-temporal, C)": streamed,
+    }
     cases |= {f"kvckpt's pieces, {p >> 10} KiB": pieces(p) for p in _PIECES}
     cases |= {name: native(mode) for name, mode in _MODES.items()}
     times: dict[str, list[float]] = {name: [] for name in cases}
@@ -140,15 +168,18 @@ def main() -> None:
         for name, step in cases.items():
             times[name].append(_two_threads(total, step))
     base = statistics.median(times["copy alone (numpy)"])
+    base_nt = statistics.median(times["copy alone (non-temporal, C)"])
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]
     print(f"{args.size_mib} MiB, two threads, {args.rounds} rounds taking turns; load {load}")
-    print(f"{'case':32} {'median':>9} {'GB/s':>6} {'cost':>7} {'p90':>9} {'slowest':>9}")
+    print(
+        f"{'case':32} {'median':>9} {'GB/s':>6} {'cost':>7} {'vs NT':>7} {'p90':>9} {'slowest':>9}"
+    )
     for name, seconds in times.items():
         m = statistics.median(seconds)
         print(
             f"{name:32} {m * 1e3:7.1f}ms {total / m / 1e9:6.2f} {m / base - 1:+7.3f}"
-            f" {p90(seconds) * 1e3:7.1f}ms {max(seconds) * 1e3:7.1f}ms"
+            f" {m / base_nt - 1:+7.3f} {p90(seconds) * 1e3:7.1f}ms {max(seconds) * 1e3:7.1f}ms"
         )
 
 
