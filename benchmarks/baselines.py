@@ -156,43 +156,39 @@ def memcpy_times(sd: dict[str, torch.Tensor], part: int, repeats: int) -> list[f
     return times
 
 
-def checksum_from_cache_times(
-    repeats: int, piece: int = MIB, total: int = 1 << 30
-) -> tuple[int, list[float]]:
+def _hash_times(pieces: list[memoryview], repeats: int) -> tuple[int, list[float]]:
     """Bytes hashed and seconds of each of ``repeats`` runs of the checkpoint format's checksum
-    (``kvckpt.format.new_checksum``, xxh3) fed ``total`` bytes from one ``piece``-byte buffer
-    that stays in the CPU's cache, one thread: the hash's own speed, the part of a verified
-    copy that copying cannot hide (a load hashes a piece, then copies it from the cache)."""
-    buf = torch.randint(0, 256, (piece,), dtype=torch.uint8).numpy().data
-    pieces = total // piece
+    (``kvckpt.format.new_checksum``, xxh3) fed ``pieces`` in turn, one thread."""
 
     def hash_all() -> None:
         h = new_checksum()
-        for _ in range(pieces):
-            h.update(buf)
+        for piece in pieces:
+            h.update(piece)
         h.intdigest()
 
     hash_all()
-    return pieces * piece, timed(hash_all, repeats)
+    return sum(p.nbytes for p in pieces), timed(hash_all, repeats)
+
+
+def checksum_from_cache_times(
+    repeats: int, piece: int = MIB, total: int = 1 << 30
+) -> tuple[int, list[float]]:
+    """The checksum fed ``total`` bytes from one ``piece``-byte buffer that stays in the CPU's
+    cache (``_hash_times``): the hash's own speed, the part of a verified copy that copying
+    cannot hide (a load hashes a piece, then copies it from the cache)."""
+    buf = torch.randint(0, 256, (piece,), dtype=torch.uint8).numpy().data
+    return _hash_times([buf] * (total // piece), repeats)
 
 
 def checksum_from_memory_times(
     repeats: int, piece: int = MIB, total: int = 1 << 30
 ) -> tuple[int, list[float]]:
-    """Bytes hashed and seconds of each of ``repeats`` runs of the checksum fed ``total``
-    bytes in ``piece``-byte pieces of one buffer far larger than the CPU's cache, one thread:
-    what hashing costs a copy that leaves nothing of what it read in the cache (a copy with
-    ``rep movsb`` on some x86 CPUs), so that hashing a piece first reads it from memory."""
-    data = torch.randint(0, 256, (total,), dtype=torch.uint8).numpy()
-
-    def hash_all() -> None:
-        h = new_checksum()
-        for start in range(0, total, piece):
-            h.update(data[start : start + piece].data)
-        h.intdigest()
-
-    hash_all()
-    return total, timed(hash_all, repeats)
+    """The checksum fed ``total`` bytes in ``piece``-byte pieces of one buffer far larger than
+    the CPU's cache (``_hash_times``): what hashing costs a copy that leaves nothing of what it
+    read in the cache (a copy with ``rep movsb`` on some x86 CPUs), so that hashing a piece
+    first reads it from memory."""
+    data = torch.randint(0, 256, (total,), dtype=torch.uint8).numpy().data
+    return _hash_times([data[a : a + piece] for a in range(0, total, piece)], repeats)
 
 
 class NewFileWrites:

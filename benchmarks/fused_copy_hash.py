@@ -163,15 +163,18 @@ def main() -> None:
     }
     cases |= {f"kvckpt's pieces, {p >> 10} KiB": pieces(p) for p in _PIECES}
     cases |= {name: native(mode) for name, mode in _MODES.items()}
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[0]  # as the rounds start: the machine must be otherwise idle
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.rounds):
         for name, step in cases.items():
             times[name].append(_two_threads(total, step))
     base = statistics.median(times["copy alone (numpy)"])
     base_nt = statistics.median(times["copy alone (non-temporal, C)"])
-    with open("/proc/loadavg") as f:
-        load = f.read().split()[0]
-    print(f"{args.size_mib} MiB, two threads, {args.rounds} rounds taking turns; load {load}")
+    print(
+        f"{args.size_mib} MiB, two threads, {args.rounds} rounds taking turns;"
+        f" load average {load} at the start"
+    )
     print(
         f"{'case':32} {'median':>9} {'GB/s':>6} {'cost':>7} {'vs NT':>7} {'p90':>9} {'slowest':>9}"
     )
