@@ -1,14 +1,17 @@
 """What checking a load costs when the copy and the hash are fused in native code.
 
-A verified LMDB load copies each value out of the memory map and hashes it with xxh3; kvckpt
-hashes a piece with python-xxhash and then copies it with numpy while it is still in the cache
-(``kvckpt.engines.base.copy_and_hash``). This measures whether native code could do better:
-the same 1 GiB, two threads taking alternate 4 MiB values (as a load's two copy threads do),
-copied without a hash (numpy's copy, glibc's memcpy; and a C loop of non-temporal stores, which
-write around the cache without reading each destination line first), by kvckpt's pieces, and by
-C loops built with xxHash's own AVX2 kernel that copy and hash 1 KiB at a time (one xxh3 block:
-the bytes never leave L1): in both orders, with software prefetch 8 KiB ahead, and hashing each
-block and then writing it out with non-temporal stores. Every C digest is checked against
+A verified LMDB load copies each value out of the memory map and hashes it with xxh3, in one of
+two ways chosen by timing (``kvckpt.engines._copy_hash_choice``): python-xxhash hashes a piece
+and numpy copies it while it is still in the cache, or kvckpt's native loop
+(``kvckpt.engines._copy_hash``, where it is built) fuses the two block by block. This measures
+both against the plain copy and against C loops built here: the same 1 GiB, two threads taking
+alternate 4 MiB values (as a load's two copy threads do), copied without a hash (numpy's copy,
+glibc's memcpy; and a C loop of non-temporal stores, which write around the cache without
+reading each destination line first), by kvckpt's pieces, by kvckpt's native loop, and by C
+loops with xxHash's own AVX2 kernel that copy and hash 1 KiB at a time (one xxh3 block: the
+bytes never leave L1): in both orders, with software prefetch 8 KiB ahead (kvckpt's native
+loop is this one), and hashing each block and then writing it out with non-temporal stores.
+Every C digest is checked against
 python-xxhash's. Cases take turns; the median, p90 and slowest round are printed, and the median
 as extra time over each plain copy's (the checksum cost ``benchmarks/run.py`` reports is the one
 over numpy's copy, which an unverified load runs).
@@ -37,6 +40,8 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).parent))
 from timing import p90, threads_seconds
+
+from kvckpt.engines._copy_hash_choice import NATIVE_COPY_HASH
 
 # mode 0: copy a block, hash the copy; 1: hash the source block, copy it from L1;
 # 2: as 1, with the source and the destination prefetched 8 KiB ahead; 3: as 1, the copy
@@ -162,6 +167,11 @@ def main() -> None:
         "copy alone (non-temporal, C)": streamed,
     }
     cases |= {f"kvckpt's pieces, {p >> 10} KiB": pieces(p) for p in _PIECES}
+    if NATIVE_COPY_HASH is not None:  # kvckpt's own build of the prefetched loop
+        native_copy_hash = NATIVE_COPY_HASH
+        cases["kvckpt's native loop"] = lambda at: native_copy_hash(
+            dst[at : at + _VALUE].data, src[at : at + _VALUE].data
+        )
     cases |= {name: native(mode) for name, mode in _MODES.items()}
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]  # as the rounds start: the machine must be otherwise idle

@@ -29,19 +29,24 @@ def machine_line(r: dict[str, Any]) -> str:
     return r["machine"] if cpu in r["machine"] else f"{cpu}; {r['machine']}"
 
 
+def _way(c: int | str) -> str:
+    return "native loop" if c == "native" else f"{int(c) // 1024} KiB pieces"
+
+
 def piece_line(r: dict[str, Any]) -> list[str]:
-    """The copy-and-hash piece size the run's verified LMDB loads chose by timing, and the
-    timings (none for a run made before the choice was timed)."""
-    if "copy_hash_piece" not in r:
+    """The way to copy and hash (the native loop, or pieces of a size) the run's verified LMDB
+    loads chose by timing, and the timings (none for a run made before the choice was timed;
+    runs before the native loop chose only a piece size)."""
+    way = r.get("copy_hash_way") or r.get("copy_hash_piece")
+    if way is None:
         return []
-    piece = r["copy_hash_piece"]
-    timed = ", ".join(f"{int(c) // 1024} KiB {ms:.0f}" for c, ms in piece["ms_per_gib"].items())
-    if piece["chosen"] is None:
+    timed = ", ".join(f"{_way(c)} {ms:.0f}" for c, ms in way["ms_per_gib"].items())
+    if way["chosen"] is None:
         chosen = "not chosen (too few verified values of a default part or more to time)"
     else:
-        chosen = f"{piece['chosen'] // 1024} KiB"
+        chosen = _way(way["chosen"])
     return [
-        "- the verified LMDB load's copy-and-hash piece, chosen by timing the run's first "
+        "- the verified LMDB load's copy-and-hash, chosen by timing the run's first "
         f"loads: {chosen}" + (f" (medians, ms per GiB on one thread: {timed})" if timed else "")
     ]
 

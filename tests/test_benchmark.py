@@ -71,7 +71,7 @@ def test_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
     assert data["part_bytes_lmdb"] > 0 and f"pieces ({data['part_bytes_lmdb']} bytes)" in report
     assert data["commit"] and f"at kvckpt commit {data['commit']}" in report
     assert "- memcpy, one thread" in report and " GB/s with glibc's default" in report
-    assert "copy-and-hash piece, chosen by timing" in report
+    assert "copy-and-hash, chosen by timing" in report
     assert "- the checksum (xxh3), one thread, from the CPU's cache: " in report
     assert ", from memory: " in report and "neither reads the piece from the cache" in report
     assert "adds at least" in report and "a load's two threads, sharing" in report

@@ -481,9 +481,18 @@ def test_engine_that_claims_to_hash_while_writing_but_does_not(lmdb_url: str) ->
     assert list_checkpoints(lmdb_url) == []
 
 
+@pytest.mark.parametrize("way", ["native", 1024 * 1024])
 def test_lmdb_checksums_are_on_by_default_and_saves_without_them_keep_loading(
-    lmdb_url: str,
+    lmdb_url: str, way: int | str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Each way a load copies and hashes (the native loop, numpy's pieces) verifies."""
+    from kvckpt.engines import _copy_hash_choice
+
+    if way == "native" and _copy_hash_choice.NATIVE_COPY_HASH is None:
+        pytest.skip("the native copy-and-hash is not built here")
+    monkeypatch.setattr(
+        _copy_hash_choice, "COPY_HASH_WAY", _copy_hash_choice.CopyHashChoice((way,))
+    )
     sd = {"w": torch.randn(1024, 2048)}  # 8 MiB: two parts, hashed and read on two threads
     save(sd, lmdb_url)
     record = KVStorageReader(lmdb_url, checkpoint_id="step-1").read_record()

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import xxhash
 
-from ._piece_choice import COPY_HASH_PIECE
+from . import _copy_hash_choice
+from ._copy_hash_choice import NATIVE
 
 #: Anything with the buffer protocol that kvckpt hands to an engine as a value.
 BytesLike = bytes | bytearray | memoryview
@@ -61,26 +63,44 @@ _HASH_PIECE = 1024 * 1024
 
 
 def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher) -> int:
-    """Copy ``src`` into ``dest`` a cache-sized piece at a time, hashing each piece of the
-    source just before copying it: one pass over memory instead of two. The hash streams the
-    piece from memory into the CPU's cache, where the copy then reads it; hashing first costs
-    a verified load less than copying first and hashing the copy from the cache
-    (``benchmarks/run.py`` measures the cost; a save's ``HashesAhead`` reads ahead the same
-    way). The piece size is the process's ``COPY_HASH_PIECE``, chosen by timing its first
-    verified values (``_piece_choice``). Both steps release the GIL (numpy's copy, xxhash), so
-    several threads can run it at once."""
-    out, into = np.frombuffer(dest, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8)
-    timed = COPY_HASH_PIECE.trial(into.size)
-    size = timed or COPY_HASH_PIECE.piece()
+    """Copy ``src`` into ``dest`` and return the digest of its bytes, fed to ``hasher``, in one
+    pass over memory instead of two. A fresh xxh3 hasher (the format's checksum) may be
+    replaced by the compiled loop (``_copy_hash_choice.NATIVE``), which fuses the copy and the
+    hash block by block and leaves ``hasher`` untouched; otherwise each cache-sized piece of
+    the source is hashed just before it is copied: the hash streams the piece from memory into
+    the CPU's cache, where the copy then reads it (``benchmarks/run.py`` measures the cost; a
+    save's ``HashesAhead`` reads ahead the same way). The way and the piece size are the
+    process's ``COPY_HASH_WAY``, chosen by timing its first verified values. Every way releases
+    the GIL (the native loop, numpy's copy, xxhash), so several threads can run it at once."""
+    choice = _copy_hash_choice.COPY_HASH_WAY
+    native = _copy_hash_choice.NATIVE_COPY_HASH
+    timed = choice.trial(src.nbytes)
+    way = timed or choice.way()
+    if way == NATIVE and (native is None or not _fresh_xxh3(hasher)):
+        way, timed = _copy_hash_choice.DEFAULT, None
     started = time.perf_counter()
-    for start in range(0, into.size, size):
-        piece = into[start : start + size]
-        hasher.update(piece.data)
-        np.copyto(out[start : start + size], piece)
-    digest = hasher.intdigest()
+    if way == NATIVE:
+        digest = native(dest, src)  # type: ignore[misc]
+    else:
+        out, into = np.frombuffer(dest, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8)
+        size = int(way)
+        for start in range(0, into.size, size):
+            piece = into[start : start + size]
+            hasher.update(piece.data)
+            np.copyto(out[start : start + size], piece)
+        digest = hasher.intdigest()
     if timed is not None:
-        COPY_HASH_PIECE.record(timed, into.size, time.perf_counter() - started)
+        choice.record(timed, src.nbytes, time.perf_counter() - started)
     return digest
+
+
+#: The digest of no bytes: a hasher that gives it is fresh (nothing fed, seed 0).
+_XXH3_EMPTY = xxhash.xxh3_64_intdigest(b"")
+
+
+def _fresh_xxh3(hasher: Hasher) -> bool:
+    """Whether ``hasher`` is a new XXH3-64 with seed 0, whose digest the native loop gives."""
+    return type(hasher) is xxhash.xxh3_64 and hasher.intdigest() == _XXH3_EMPTY
 
 
 def hashed_pieces(view: memoryview, hasher: Hasher) -> Iterator[memoryview]:

@@ -1,0 +1,98 @@
+/* kvckpt.engines._copy_hash: copy a buffer into another and return the XXH3-64 of its bytes,
+ * in one pass over memory (copy_hash_kernel.h). The GIL is released while it runs, so a
+ * load's two copy threads run it at once. Optional: kvckpt works without it
+ * (kvckpt/engines/_copy_hash_native.py), and uses it only where timing says it is faster. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+
+uint64_t kvckpt_copy_hash_avx2(uint8_t *out, const uint8_t *in, size_t len);
+uint64_t kvckpt_copy_hash_generic(uint8_t *out, const uint8_t *in, size_t len);
+extern int kvckpt_copy_hash_avx2_built;
+
+typedef uint64_t (*copy_hash_fn)(uint8_t *, const uint8_t *, size_t);
+static copy_hash_fn copy_hash_impl = kvckpt_copy_hash_generic;
+static const char *kernel_name = "generic";
+
+static PyObject *copy_hash(PyObject *self, PyObject *args) {
+    Py_buffer dst, src;
+    if (!PyArg_ParseTuple(args, "w*y*:copy_hash", &dst, &src))
+        return NULL;
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError, "copy_hash: destination holds %zd bytes, source %zd",
+                     dst.len, src.len);
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (!PyBuffer_IsContiguous(&dst, 'C') || !PyBuffer_IsContiguous(&src, 'C')) {
+        PyErr_SetString(PyExc_ValueError, "copy_hash: both buffers must be contiguous");
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    uint64_t digest;
+    Py_BEGIN_ALLOW_THREADS
+    digest = copy_hash_impl((uint8_t *)dst.buf, (const uint8_t *)src.buf, (size_t)src.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return PyLong_FromUnsignedLongLong(digest);
+}
+
+/* The kernel must give XXH3_64bits of every length class: short, mid, one block, blocks with a
+ * partial tail, exact blocks. A kernel that does not is not used. */
+static int kernel_agrees(copy_hash_fn fn) {
+    static const size_t lengths[] = {0, 1, 17, 129, 240, 241, 1023, 1024, 1025, 2048,
+                                     4096 + 63, 9000, 16384, 65536 + 7};
+    size_t const most = 65536 + 7;
+    uint8_t *src = PyMem_Malloc(most), *dst = PyMem_Malloc(most);
+    int ok = src != NULL && dst != NULL;
+    for (size_t i = 0; ok && i < most; i++)
+        src[i] = (uint8_t)(i * 2654435761u >> 13);
+    for (size_t k = 0; ok && k < sizeof lengths / sizeof lengths[0]; k++) {
+        size_t n = lengths[k];
+        ok = fn(dst, src, n) == XXH3_64bits(src, n) && memcmp(dst, src, n) == 0;
+    }
+    PyMem_Free(src);
+    PyMem_Free(dst);
+    return ok;
+}
+
+static PyObject *kernel(PyObject *self, PyObject *unused) {
+    return PyUnicode_FromString(kernel_name);
+}
+
+static PyMethodDef methods[] = {
+    {"copy_hash", copy_hash, METH_VARARGS,
+     "copy_hash(dst, src) -> int: copy src into dst (same size) and return XXH3-64 (seed 0) "
+     "of the bytes, reading memory once. Releases the GIL."},
+    {"kernel", kernel, METH_NOARGS, "kernel() -> str: the instruction set copy_hash uses."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_copy_hash",
+    "Copy a buffer and hash it with XXH3-64 in one pass over memory.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__copy_hash(void) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+    __builtin_cpu_init();
+    if (kvckpt_copy_hash_avx2_built && __builtin_cpu_supports("avx2") &&
+        kernel_agrees(kvckpt_copy_hash_avx2)) {
+        copy_hash_impl = kvckpt_copy_hash_avx2;
+        kernel_name = "avx2";
+    }
+#endif
+    if (copy_hash_impl == kvckpt_copy_hash_generic && !kernel_agrees(kvckpt_copy_hash_generic)) {
+        PyErr_SetString(PyExc_ImportError,
+                        "kvckpt.engines._copy_hash: the compiled kernel disagrees with XXH3");
+        return NULL;
+    }
+    return PyModule_Create(&module);
+}

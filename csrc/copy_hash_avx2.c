@@ -1,0 +1,21 @@
+/* The fused loop with xxHash's AVX2 kernel; called only where the CPU has AVX2 (copy_hash.c). */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#pragma GCC target("avx2,prfchw")
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+#define COPY_HASH_FN copy_hash_avx2_impl
+#include "copy_hash_kernel.h"
+
+uint64_t kvckpt_copy_hash_avx2(uint8_t *out, const uint8_t *in, size_t len) {
+    return copy_hash_avx2_impl(out, in, len);
+}
+int kvckpt_copy_hash_avx2_built = 1;
+#else
+#include <stddef.h>
+#include <stdint.h>
+uint64_t kvckpt_copy_hash_avx2(uint8_t *out, const uint8_t *in, size_t len) {
+    (void)out, (void)in, (void)len;
+    return 0;
+}
+int kvckpt_copy_hash_avx2_built = 0;
+#endif

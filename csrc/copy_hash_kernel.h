@@ -1,0 +1,49 @@
+/* The fused copy-and-hash loop, compiled once per instruction set (copy_hash_avx2.c,
+ * copy_hash_generic.c) with COPY_HASH_FN naming it. Included after xxhash.h with
+ * XXH_INLINE_ALL, whose XXH3 internals it drives block by block.
+ *
+ * XXH3-64 (seed 0) of a long input accumulates 1 KiB blocks (16 stripes of 64 bytes), then
+ * the stripes of the last partial block, then the input's last 64 bytes, and merges. This loop
+ * runs the same steps, and between them copies each block while it is in L1: the hash reads
+ * the source block from memory into the cache and the copy reads it from there, so memory is
+ * read once. Both the source and the destination are prefetched 8 KiB ahead, which keeps the
+ * memory busy while the core hashes. The result equals XXH3_64bits(src, len); the module
+ * checks that against its own reference when it loads (copy_hash.c) and kvckpt against
+ * python-xxhash before it uses it. */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define COPY_HASH_PREFETCH 8192
+
+static uint64_t COPY_HASH_FN(uint8_t *out, const uint8_t *in, size_t len) {
+    if (len <= XXH3_MIDSIZE_MAX) {
+        memcpy(out, in, len);
+        return XXH3_64bits(out, len);
+    }
+    const xxh_u8 *secret = XXH3_kSecret;
+    size_t const secret_size = sizeof(XXH3_kSecret);
+    XXH_ALIGN(XXH_ACC_ALIGN) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;
+    size_t const stripes = (secret_size - XXH_STRIPE_LEN) / XXH_SECRET_CONSUME_RATE;
+    size_t const block = XXH_STRIPE_LEN * stripes;
+    size_t const blocks = (len - 1) / block;
+    for (size_t n = 0; n < blocks; n++) {
+        const xxh_u8 *s = in + n * block;
+        xxh_u8 *d = out + n * block;
+        if ((n + 1) * block + COPY_HASH_PREFETCH <= len)
+            for (size_t k = 0; k < block; k += 64) {
+                __builtin_prefetch(s + COPY_HASH_PREFETCH + k, 0, 3);
+                __builtin_prefetch(d + COPY_HASH_PREFETCH + k, 1, 3);
+            }
+        XXH3_accumulate(acc, s, secret, stripes);
+        memcpy(d, s, block);
+        XXH3_scrambleAcc(acc, secret + secret_size - XXH_STRIPE_LEN);
+    }
+    size_t const done = blocks * block;
+    memcpy(out + done, in + done, len - done);
+    XXH3_accumulate(acc, out + done, secret, ((len - 1) - done) / XXH_STRIPE_LEN);
+    XXH3_accumulate_512(acc, out + len - XXH_STRIPE_LEN,
+                        secret + secret_size - XXH_STRIPE_LEN - XXH_SECRET_LASTACC_START);
+    return XXH3_mergeAccs(acc, secret + XXH_SECRET_MERGEACCS_START,
+                          (xxh_u64)len * XXH_PRIME64_1);
+}

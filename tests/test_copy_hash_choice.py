@@ -1,0 +1,247 @@
+"""The way a verified load copies and hashes (the native loop, or pieces of a size): chosen by
+timing the process's own verified values."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvckpt.engines import _copy_hash_choice, base
+from kvckpt.engines._copy_hash_choice import (
+    DEFAULT,
+    MIN_TIMED_BYTES,
+    NATIVE,
+    PIECES,
+    CopyHashChoice,
+)
+from kvckpt.engines.base import DEFAULT_PART_BYTES
+
+KIB = 1024
+
+
+def test_candidates_take_turns_until_each_is_timed_then_the_fastest_median_stays() -> None:
+    choice = CopyHashChoice((256 * KIB, 512 * KIB, 1024 * KIB), samples=3, min_timed=4096)
+    cost = {256 * KIB: 3.0, 512 * KIB: 1.0, 1024 * KIB: 2.0}
+    tried = []
+    while choice.chosen is None:
+        size = choice.trial(8192)
+        assert size is not None
+        tried.append(size)
+        # One slow outlier for the fastest candidate: a median ignores it.
+        slow = 100.0 if size == 512 * KIB and tried.count(size) == 1 else 1.0
+        choice.record(size, 8192, cost[size] * slow)
+    assert tried == [256 * KIB, 512 * KIB, 1024 * KIB] * 3
+    assert choice.chosen == 512 * KIB
+    assert choice.way() == 512 * KIB
+    assert choice.trial(8192) is None  # chosen: nothing more is timed
+    assert set(choice.medians()) == set(cost)
+
+
+def test_small_values_are_not_timed_and_use_the_default() -> None:
+    choice = CopyHashChoice((256 * KIB, 512 * KIB), samples=1, default=384 * KIB, min_timed=4096)
+    assert choice.trial(4095) is None
+    assert choice.way() == 384 * KIB
+    assert choice.chosen is None
+
+
+def test_one_candidate_is_chosen_from_the_start_and_bad_settings_are_refused() -> None:
+    assert CopyHashChoice((64 * KIB,)).chosen == 64 * KIB
+    with pytest.raises(ValueError, match="candidate"):
+        CopyHashChoice(())
+    with pytest.raises(ValueError, match="sample"):
+        CopyHashChoice((64 * KIB,), samples=0)
+
+
+def test_records_after_the_choice_change_nothing() -> None:
+    choice = CopyHashChoice((1 * KIB, 2 * KIB), samples=1, min_timed=1)
+    choice.record(1 * KIB, 10, 1.0)
+    choice.record(2 * KIB, 10, 2.0)
+    assert choice.chosen == 1 * KIB
+    choice.record(2 * KIB, 10, 0.0)
+    assert choice.chosen == 1 * KIB
+
+
+def test_threads_timing_at_once_agree_on_one_choice() -> None:
+    choice = CopyHashChoice((1 * KIB, 2 * KIB, 4 * KIB), samples=50, min_timed=1)
+
+    def work() -> None:
+        while (size := choice.trial(100)) is not None:
+            choice.record(size, 100, float(size))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert choice.chosen == 1 * KIB
+
+
+@pytest.mark.parametrize("piece", [*PIECES, DEFAULT, 3000])
+def test_copy_and_hash_gives_the_same_bytes_and_digest_with_every_piece_size(
+    piece: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_copy_hash_choice, "COPY_HASH_WAY", CopyHashChoice((piece,)))
+    src = np.random.default_rng(0).integers(0, 256, 5 * 1024 * KIB + 123, dtype=np.uint8)
+    dest = np.zeros_like(src)
+    digest = base.copy_and_hash(memoryview(dest), memoryview(src), xxhash.xxh3_64())
+    assert digest == xxhash.xxh3_64_intdigest(src.tobytes())
+    assert np.array_equal(dest, src)
+
+
+def test_copy_and_hash_times_values_for_the_process_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    choice = CopyHashChoice((256 * KIB, 512 * KIB), samples=2, min_timed=1024 * KIB)
+    monkeypatch.setattr(_copy_hash_choice, "COPY_HASH_WAY", choice)
+    src = np.ones(1024 * KIB, dtype=np.uint8)
+    for _ in range(4):
+        base.copy_and_hash(memoryview(np.empty_like(src)), memoryview(src), xxhash.xxh3_64())
+    assert choice.chosen in (256 * KIB, 512 * KIB)
+    assert set(choice.medians()) == {256 * KIB, 512 * KIB}  # both timed, twice each
+
+
+def test_the_default_parts_are_timed() -> None:
+    """A load of values split at the engines' default size times its pieces: the choice is
+    made on every such load, not only on values of some larger size."""
+    assert DEFAULT_PART_BYTES >= MIN_TIMED_BYTES
+    assert all(-(-DEFAULT_PART_BYTES // c) >= 2 for c in PIECES)  # two pieces or more
+
+
+def test_a_sent_value_is_hashed_piece_by_piece_after_each_piece_is_handed_on() -> None:
+    """``hashed_pieces`` (a Redis save's inline hashing) hands each piece on before hashing
+    it, so the socket's copy is the first to read it from memory, and the digest is the whole
+    value's once the pieces are consumed."""
+    value = memoryview(np.arange(5 * base._HASH_PIECE // 2, dtype=np.uint8))
+    hasher = xxhash.xxh3_64()
+    seen = []
+    for piece in base.hashed_pieces(value, hasher):
+        seen.append(hasher.intdigest())  # the hash as it stands when the piece is handed on
+        assert piece.nbytes <= base._HASH_PIECE
+    assert seen[0] == xxhash.xxh3_64().intdigest()  # nothing hashed before the first send
+    assert seen[1] == xxhash.xxh3_64(value[: base._HASH_PIECE]).intdigest()
+    assert len(seen) == 3 and hasher.intdigest() == xxhash.xxh3_64_intdigest(value)
+
+
+def native_or_skip() -> Callable[[memoryview, memoryview], int]:
+    if _copy_hash_choice.NATIVE_COPY_HASH is None:
+        pytest.skip("the native copy-and-hash is not built here")
+    return _copy_hash_choice.NATIVE_COPY_HASH
+
+
+def test_the_native_loop_is_built_and_a_candidate_where_a_compiler_is() -> None:
+    """An install where a C compiler and Python's headers are (CI's, a developer's) builds the
+    native loop; the process then times it against the pieces."""
+    if sysconfig.get_config_var("CC") is None or shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: kvckpt installs without the native loop")
+    assert _copy_hash_choice.NATIVE_COPY_HASH is not None, (
+        "kvckpt.engines._copy_hash is not built: reinstall with `pip install -e .`"
+    )
+    assert (NATIVE, *PIECES) == _copy_hash_choice.CANDIDATES
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.one_of(
+        st.integers(0, 300),
+        st.integers(900, 5000),
+        st.sampled_from([1024 * k + d for k in (1, 8, 9, 64) for d in (-1, 0, 1, 64)]),
+        st.integers(0, 3 << 20),
+    ),
+    offset=st.integers(0, 63),
+)
+def test_the_native_loop_copies_and_gives_xxh3_of_any_length_and_alignment(
+    n: int, offset: int
+) -> None:
+    native = native_or_skip()
+    src = np.random.default_rng(n).integers(0, 256, n + offset, dtype=np.uint8)[offset:]
+    dest = np.zeros(n + 64, dtype=np.uint8)[offset : offset + n]
+    assert native(memoryview(dest), memoryview(src)) == xxhash.xxh3_64_intdigest(src)
+    assert np.array_equal(dest, src)
+
+
+def test_the_native_loop_refuses_buffers_it_cannot_fill() -> None:
+    native = native_or_skip()
+    src = memoryview(bytes(100))
+    with pytest.raises(ValueError, match="destination holds 99 bytes, source 100"):
+        native(memoryview(bytearray(99)), src)
+    with pytest.raises(TypeError, match="read-write"):
+        native(memoryview(bytes(100)), src)
+
+
+def test_the_native_loop_runs_on_threads_at_once() -> None:
+    native = native_or_skip()
+    src = np.random.default_rng(1).integers(0, 256, 8 << 20, dtype=np.uint8)
+    dests = [np.zeros_like(src) for _ in range(4)]
+    digests: list[int] = []
+    threads = [
+        threading.Thread(target=lambda d=d: digests.append(native(memoryview(d), memoryview(src))))
+        for d in dests
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert digests == [xxhash.xxh3_64_intdigest(src)] * 4
+    assert all(np.array_equal(d, src) for d in dests)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: xxhash.xxh3_64(b"already fed"),  # not fresh: the digest covers both
+        lambda: xxhash.xxh3_64(seed=7),  # another seed
+        lambda: xxhash.xxh64(),  # another hash
+    ],
+)
+def test_copy_and_hash_falls_back_to_pieces_for_a_hasher_the_native_loop_cannot_stand_for(
+    make: Callable[[], base.Hasher], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    choice = CopyHashChoice((NATIVE,))
+    monkeypatch.setattr(_copy_hash_choice, "COPY_HASH_WAY", choice)
+    src = np.random.default_rng(2).integers(0, 256, 3 << 20, dtype=np.uint8)
+    dest = np.zeros_like(src)
+    expected = make()
+    expected.update(memoryview(src))
+    assert base.copy_and_hash(memoryview(dest), memoryview(src), make()) == expected.intdigest()
+    assert np.array_equal(dest, src)
+
+
+def test_copy_and_hash_uses_the_native_loop_once_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    native_or_skip()
+    calls = []
+    real = _copy_hash_choice.NATIVE_COPY_HASH
+    assert real is not None
+
+    def counted(dest: memoryview, src: memoryview) -> int:
+        calls.append(src.nbytes)
+        return real(dest, src)
+
+    monkeypatch.setattr(_copy_hash_choice, "NATIVE_COPY_HASH", counted)
+    monkeypatch.setattr(_copy_hash_choice, "COPY_HASH_WAY", CopyHashChoice((NATIVE,)))
+    src = np.random.default_rng(3).integers(0, 256, 5 << 20, dtype=np.uint8)
+    dest = np.zeros_like(src)
+    digest = base.copy_and_hash(memoryview(dest), memoryview(src), xxhash.xxh3_64())
+    assert digest == xxhash.xxh3_64_intdigest(src) and calls == [5 << 20]
+    assert np.array_equal(dest, src)
+
+
+def test_the_native_loop_is_timed_beside_the_pieces_and_can_be_turned_off() -> None:
+    """``KVCKPT_NATIVE_COPY_HASH=0`` leaves only the pieces to choose from."""
+    code = (
+        "from kvckpt.engines import _copy_hash_choice as c;"
+        "print(c.NATIVE_COPY_HASH is None, c.CANDIDATES)"
+    )
+    env = {**os.environ, "KVCKPT_NATIVE_COPY_HASH": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == f"True {PIECES}"
