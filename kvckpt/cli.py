@@ -35,6 +35,7 @@ from .cli_common import (
     show_time,
     table,
 )
+from .engines._copy_hash_choice import native_status
 from .engines.base import Engine
 from .errors import CheckpointNotFoundError, MetadataError
 from .stores import open_store
@@ -49,7 +50,10 @@ _EXIT_TABLE = "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_CODES.i
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="\b\nExit codes:\n" + _EXIT_TABLE,
 )
-@click.version_option(package_name="kvckpt")
+@click.version_option(
+    package_name="kvckpt",
+    message=f"%(prog)s %(version)s; native copy-and-hash: {native_status()}",
+)
 def main() -> None:
     """Manage PyTorch DCP checkpoints stored in LMDB or Redis.
 

@@ -27,6 +27,8 @@ from kvckpt.engines._copy_hash_choice import (
 )
 from kvckpt.engines.base import DEFAULT_PART_BYTES
 
+from ._cli import run
+
 KIB = 1024
 
 
@@ -235,7 +237,8 @@ def test_copy_and_hash_uses_the_native_loop_once_chosen(monkeypatch: pytest.Monk
 
 
 def test_the_native_loop_is_timed_beside_the_pieces_and_can_be_turned_off() -> None:
-    """``KVCKPT_NATIVE_COPY_HASH=0`` leaves only the pieces to choose from."""
+    """``KVCKPT_NATIVE_COPY_HASH=0`` leaves only the pieces to choose from, and
+    ``kvckpt --version`` says so."""
     code = (
         "from kvckpt.engines import _copy_hash_choice as c;"
         "print(c.NATIVE_COPY_HASH is None, c.CANDIDATES)"
@@ -245,3 +248,18 @@ def test_the_native_loop_is_timed_beside_the_pieces_and_can_be_turned_off() -> N
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == f"True {PIECES}"
+    version = subprocess.run(
+        [sys.executable, "-m", "kvckpt", "--version"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "native copy-and-hash: turned off (KVCKPT_NATIVE_COPY_HASH=0)" in version
+
+
+def test_the_version_says_whether_the_native_loop_is_used() -> None:
+    native_or_skip()
+    result = run("--version")
+    assert result.returncode == 0
+    assert "native copy-and-hash: built (" in result.stdout

@@ -26,6 +26,7 @@ per value. Until the choice is made, values too small to time well use ``DEFAULT
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import statistics
@@ -43,10 +44,14 @@ Way = int | str
 NATIVE = "native"
 
 
+#: Values of ``KVCKPT_NATIVE_COPY_HASH`` that turn the native loop off.
+_OFF = ("0", "false", "no", "off")
+
+
 def _load_native() -> Callable[[memoryview, memoryview], int] | None:
     """The compiled ``copy_hash(dst, src) -> digest``, or None where it is not built, is
     turned off (``KVCKPT_NATIVE_COPY_HASH=0``), or disagrees with python-xxhash."""
-    if os.environ.get("KVCKPT_NATIVE_COPY_HASH", "1").strip() in ("0", "false", "no", "off"):
+    if os.environ.get("KVCKPT_NATIVE_COPY_HASH", "1").strip() in _OFF:
         return None
     try:
         from ._copy_hash import copy_hash
@@ -64,6 +69,20 @@ def _load_native() -> Callable[[memoryview, memoryview], int] | None:
 
 #: The compiled loop, where it is built and agrees with python-xxhash.
 NATIVE_COPY_HASH = _load_native()
+
+
+def native_status() -> str:
+    """The native loop's state in words, for ``kvckpt --version``."""
+    if NATIVE_COPY_HASH is not None:
+        from ._copy_hash import kernel
+
+        return f"built ({kernel()}), timed against numpy's pieces"
+    if importlib.util.find_spec(f"{__package__}._copy_hash") is None:
+        return "not built (no C compiler at install): numpy's pieces"
+    if os.environ.get("KVCKPT_NATIVE_COPY_HASH", "1").strip() in _OFF:
+        return "turned off (KVCKPT_NATIVE_COPY_HASH=0): numpy's pieces"
+    return "built but disagrees with python-xxhash, so unused: numpy's pieces"
+
 
 #: The piece sizes tried: a quarter to all of the largest L2 of current server cores (2 MiB),
 #: each still splitting a value of the default part size (4 MiB less 64 bytes) into two pieces
