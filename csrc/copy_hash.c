@@ -1,7 +1,7 @@
 /* kvckpt.engines._copy_hash: copy a buffer into another and return the XXH3-64 of its bytes,
  * in one pass over memory (copy_hash_kernel.h). The GIL is released while it runs, so a
- * load's two copy threads run it at once. Optional: kvckpt works without it
- * (kvckpt/engines/_copy_hash_native.py), and uses it only where timing says it is faster. */
+ * load's two copy threads run it at once. Optional: kvckpt works without it, and uses it only
+ * where timing says it is faster (kvckpt/engines/_copy_hash_choice.py). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -31,6 +31,13 @@ static PyObject *copy_hash(PyObject *self, PyObject *args) {
     }
     if (!PyBuffer_IsContiguous(&dst, 'C') || !PyBuffer_IsContiguous(&src, 'C')) {
         PyErr_SetString(PyExc_ValueError, "copy_hash: both buffers must be contiguous");
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    const char *d = dst.buf, *s = src.buf;
+    if (dst.len > 0 && d < s + src.len && s < d + dst.len) {
+        PyErr_SetString(PyExc_ValueError, "copy_hash: the buffers overlap");
         PyBuffer_Release(&dst);
         PyBuffer_Release(&src);
         return NULL;
@@ -69,8 +76,8 @@ static PyObject *kernel(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"copy_hash", copy_hash, METH_VARARGS,
-     "copy_hash(dst, src) -> int: copy src into dst (same size) and return XXH3-64 (seed 0) "
-     "of the bytes, reading memory once. Releases the GIL."},
+     "copy_hash(dst, src) -> int: copy src into dst (same size, not overlapping) and return "
+     "XXH3-64 (seed 0) of the bytes, reading memory once. Releases the GIL."},
     {"kernel", kernel, METH_NOARGS, "kernel() -> str: the instruction set copy_hash uses."},
     {NULL, NULL, 0, NULL},
 };

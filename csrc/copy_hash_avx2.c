@@ -1,5 +1,7 @@
-/* The fused loop with xxHash's AVX2 kernel; called only where the CPU has AVX2 (copy_hash.c). */
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+/* The fused loop with xxHash's AVX2 kernel; called only where the CPU has AVX2 (copy_hash.c).
+ * GCC only: clang ignores `#pragma GCC target`, so there this file builds the stub and the
+ * generic kernel (SSE2) is used, as kernel() then says. */
+#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
 #pragma GCC target("avx2,prfchw")
 #define XXH_INLINE_ALL
 #include "xxhash.h"

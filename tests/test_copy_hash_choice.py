@@ -179,6 +179,40 @@ def test_the_native_loop_refuses_buffers_it_cannot_fill() -> None:
         native(memoryview(bytes(100)), src)
 
 
+def test_the_native_loop_refuses_overlapping_buffers() -> None:
+    native = native_or_skip()
+    buf = np.zeros(100, dtype=np.uint8)
+    with pytest.raises(ValueError, match="overlap"):
+        native(buf[10:60].data, buf[:50].data)
+    assert native(buf[50:].data, buf[:50].data) == xxhash.xxh3_64_intdigest(bytes(50))
+
+
+def test_the_native_loop_is_timed_with_the_pieces_and_other_hashers_wait_for_the_choice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fresh xxh3 hasher (the format's checksum) times every candidate, the native loop
+    included; a hasher the loop cannot stand for is copied untimed, so the loop's turns are
+    never lost and the choice is made."""
+    native_or_skip()
+    choice = CopyHashChoice((NATIVE, 1024 * KIB), samples=2, min_timed=1024 * KIB)
+    monkeypatch.setattr(_copy_hash_choice, "COPY_HASH_WAY", choice)
+    src = np.random.default_rng(4).integers(0, 256, 2048 * KIB, dtype=np.uint8)
+    other = xxhash.xxh3_64(seed=1)
+    base.copy_and_hash(memoryview(np.empty_like(src)), memoryview(src), other)
+    assert choice.medians() == {}  # not timed
+    for _ in range(4):
+        base.copy_and_hash(memoryview(np.empty_like(src)), memoryview(src), xxhash.xxh3_64())
+    assert set(choice.medians()) == {NATIVE, 1024 * KIB} and choice.chosen is not None
+
+
+def test_the_version_says_when_the_native_loop_is_not_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_copy_hash_choice, "NATIVE_COPY_HASH", None)
+    monkeypatch.setattr(_copy_hash_choice.importlib.util, "find_spec", lambda name: None)
+    assert _copy_hash_choice.native_status().startswith("not built (no C compiler at install)")
+
+
 def test_the_native_loop_runs_on_threads_at_once() -> None:
     native = native_or_skip()
     src = np.random.default_rng(1).integers(0, 256, 8 << 20, dtype=np.uint8)

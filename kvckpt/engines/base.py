@@ -74,10 +74,13 @@ def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher) -> int:
     the GIL (the native loop, numpy's copy, xxhash), so several threads can run it at once."""
     choice = _copy_hash_choice.COPY_HASH_WAY
     native = _copy_hash_choice.NATIVE_COPY_HASH
-    timed = choice.trial(src.nbytes)
+    usable = native is not None and _fresh_xxh3(hasher)
+    # Values the native loop cannot copy are not timed where it is a candidate: its turns
+    # would go unrecorded and the choice would never be made.
+    timed = choice.trial(src.nbytes) if usable or NATIVE not in choice.candidates else None
     way = timed or choice.way()
-    if way == NATIVE and (native is None or not _fresh_xxh3(hasher)):
-        way, timed = _copy_hash_choice.DEFAULT, None
+    if way == NATIVE and not usable:
+        way = _copy_hash_choice.DEFAULT
     started = time.perf_counter()
     if way == NATIVE:
         digest = native(dest, src)  # type: ignore[misc]
