@@ -3,24 +3,23 @@
 A verified LMDB load copies each value out of the memory map and hashes it with xxh3, in one of
 two ways chosen by timing (``kvckpt.engines._copy_hash_choice``): python-xxhash hashes a piece
 and numpy copies it while it is still in the cache, or kvckpt's native loop
-(``kvckpt.engines._copy_hash``, where it is built) fuses the two block by block. This measures
-both against the plain copy and against C loops built here: the same 1 GiB, two threads taking
-alternate 4 MiB values (as a load's two copy threads do), copied without a hash (numpy's copy,
-glibc's memcpy; and a C loop of non-temporal stores, which write around the cache without
-reading each destination line first), by kvckpt's pieces, by kvckpt's native loop, and by C
-loops with xxHash's own AVX2 kernel that copy and hash 1 KiB at a time (one xxh3 block: the
-bytes never leave L1): in both orders, with software prefetch 8 KiB ahead (kvckpt's native
-loop is this one), and hashing each block and then writing it out with non-temporal stores.
-Every C digest is checked against
-python-xxhash's. Cases take turns; the median, p90 and slowest round are printed, and the median
-as extra time over each plain copy's (the checksum cost ``benchmarks/run.py`` reports is the one
-over numpy's copy, which an unverified load runs).
+(``kvckpt.engines._copy_hash``) hashes and copies 1 KiB at a time (one xxh3 block: the bytes
+never leave L1) with the source and destination prefetched 8 KiB ahead. This measures both
+against the plain copy and against variants of the loop built here: the same 1 GiB, two threads
+taking alternate 4 MiB values (as a load's two copy threads do), copied without a hash (numpy's
+copy, glibc's memcpy; and a C loop of non-temporal stores, which write around the cache without
+reading each destination line first), by kvckpt's pieces, by kvckpt's native loop, and by the
+same 1 KiB loop without prefetch in both orders, and hashing each block and then writing it out
+with non-temporal stores. Every C digest is checked against python-xxhash's. Cases take turns;
+the median, p90 and slowest round are printed, and the median as extra time over each plain
+copy's (the checksum cost ``benchmarks/run.py`` reports is the one over numpy's copy, which an
+unverified load runs).
 
-It needs gcc and xxHash's single header, which the xxhash sdist ships:
+It needs gcc and an x86-64 CPU with AVX2 (the variants are built with ``-mavx2``), and kvckpt
+installed with its native loop (``pip install -e .`` where gcc is); the variants use the xxHash
+header kvckpt vendors (``vendor/xxhash/xxhash.h``):
 
-    pip download xxhash==3.5.0 --no-binary :all: --no-deps -d /tmp/xxh
-    tar xzf /tmp/xxh/xxhash-3.5.0.tar.gz -C /tmp/xxh
-    python benchmarks/fused_copy_hash.py --xxhash-h /tmp/xxh/xxhash-3.5.0/deps/xxhash/xxhash.h
+    python benchmarks/fused_copy_hash.py --rounds 11
 """
 
 from __future__ import annotations
@@ -43,9 +42,9 @@ from timing import p90, threads_seconds
 
 from kvckpt.engines._copy_hash_choice import NATIVE_COPY_HASH
 
-# mode 0: copy a block, hash the copy; 1: hash the source block, copy it from L1;
-# 2: as 1, with the source and the destination prefetched 8 KiB ahead; 3: as 1, the copy
-# with non-temporal stores. copy_nt: a copy with non-temporal stores alone.
+# mode 0: copy a block, hash the copy; 1: hash the source block, copy it from L1; 3: as 1, the
+# copy with non-temporal stores (kvckpt's native loop is 1 with prefetch). copy_nt: a copy
+# with non-temporal stores alone.
 _C_SOURCE = r"""
 #define XXH_INLINE_ALL
 #include "xxhash.h"
@@ -71,11 +70,6 @@ uint64_t copy_hash(void *dst, const void *src, size_t len, int mode) {
         const xxh_u8 *s = in + n * block; xxh_u8 *d = out + n * block;
         if (mode == 0) { memcpy(d, s, block); XXH3_accumulate(acc, d, secret, stripes); }
         else {
-            if (mode == 2)
-                for (size_t k = 0; k < block; k += 64) {
-                    _mm_prefetch((const char *)s + 8192 + k, _MM_HINT_T0);
-                    _m_prefetchw(d + 8192 + k);
-                }
             XXH3_accumulate(acc, s, secret, stripes);
             if (mode == 3) copy_stream(d, s, block); else memcpy(d, s, block);
         }
@@ -93,10 +87,10 @@ uint64_t copy_hash(void *dst, const void *src, size_t len, int mode) {
 _MODES = {
     "fused, copy then hash": 0,
     "fused, hash then copy": 1,
-    "fused, prefetched": 2,
     "fused, hash then stream out": 3,
 }
 _VALUE = 4 << 20
+_VENDORED_HEADER = Path(__file__).parent.parent / "vendor" / "xxhash" / "xxhash.h"
 _PIECES = (256 << 10, 512 << 10, 1 << 20, 2 << 20)
 
 
@@ -104,7 +98,7 @@ def _build(header: Path, workdir: Path) -> ctypes.CDLL:
     (workdir / "copy_hash.c").write_text(_C_SOURCE)
     (workdir / "xxhash.h").write_bytes(header.read_bytes())
     lib = workdir / "copy_hash.so"
-    flags = ["-O3", "-mavx2", "-mprfchw", "-shared", "-fPIC"]
+    flags = ["-O3", "-mavx2", "-shared", "-fPIC"]
     subprocess.run(["gcc", *flags, "-o", str(lib), str(workdir / "copy_hash.c")], check=True)
     dll = ctypes.CDLL(str(lib))
     dll.copy_hash.restype = ctypes.c_uint64
@@ -126,10 +120,15 @@ def _two_threads(total: int, step: Callable[[int], object]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--xxhash-h", type=Path, required=True, help="xxHash's xxhash.h")
+    parser.add_argument(
+        "--xxhash-h", type=Path, default=_VENDORED_HEADER, help="xxHash's xxhash.h (kvckpt's)"
+    )
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
+    native_copy_hash = NATIVE_COPY_HASH
+    if native_copy_hash is None:
+        sys.exit("kvckpt's native loop is not built here: `pip install -e .` where gcc is")
     total = args.size_mib << 20
     src = np.random.default_rng(0).integers(0, 255, total, dtype=np.uint8)
     dst = np.ones(total, np.uint8)  # touched: a load copies into tensors that exist
@@ -167,11 +166,9 @@ def main() -> None:
         "copy alone (non-temporal, C)": streamed,
     }
     cases |= {f"kvckpt's pieces, {p >> 10} KiB": pieces(p) for p in _PIECES}
-    if NATIVE_COPY_HASH is not None:  # kvckpt's own build of the prefetched loop
-        native_copy_hash = NATIVE_COPY_HASH
-        cases["kvckpt's native loop"] = lambda at: native_copy_hash(
-            dst[at : at + _VALUE].data, src[at : at + _VALUE].data
-        )
+    cases["kvckpt's native loop"] = lambda at: native_copy_hash(
+        dst[at : at + _VALUE].data, src[at : at + _VALUE].data
+    )
     cases |= {name: native(mode) for name, mode in _MODES.items()}
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]  # as the rounds start: the machine must be otherwise idle

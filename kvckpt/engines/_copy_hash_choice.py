@@ -13,10 +13,9 @@ read twice; done together, once. There are two ways to do it together:
 Which is faster depends on the CPU too: on some x86 server CPUs the native loop hides the hash
 behind the copy where the pieces cannot, on others the pieces are the faster
 (``benchmarks/run.py`` reports each candidate's time and the choice). So a process does not
-guess from the CPU's model: its first verified values are copied each way in
-turn (the native loop and each piece size), each value timed, and once every candidate has been
-timed a few times the one with the lowest median time per byte is kept for the rest of the
-process.
+guess from the CPU's model: its first verified values are copied each way in turn (the native
+loop and each piece size), each value timed, and once every candidate has been timed a few
+times the one with the lowest median time per byte is kept for the rest of the process.
 
 The values timed are the load's own: nothing extra is copied, and timing costs two clock reads
 per value. Until the choice is made, values too small to time well use ``DEFAULT``.
