@@ -82,8 +82,8 @@ def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher) -> int:
     if way == NATIVE and not usable:
         way = _copy_hash_choice.DEFAULT
     started = time.perf_counter()
-    if way == NATIVE:
-        digest = native(dest, src)  # type: ignore[misc]
+    if way == NATIVE and native is not None:  # (usable: it is not None)
+        digest = native(dest, src)
     else:
         out, into = np.frombuffer(dest, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8)
         size = int(way)
