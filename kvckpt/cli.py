@@ -35,7 +35,7 @@ from .cli_common import (
     show_time,
     table,
 )
-from .engines._copy_hash_choice import native_status
+from .engines._copy_hash_choice import NATIVE_STATUS
 from .engines.base import Engine
 from .errors import CheckpointNotFoundError, MetadataError
 from .stores import open_store
@@ -52,7 +52,7 @@ _EXIT_TABLE = "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_CODES.i
 )
 @click.version_option(
     package_name="kvckpt",
-    message=f"%(prog)s %(version)s; native copy-and-hash: {native_status()}",
+    message=f"%(prog)s %(version)s; native copy-and-hash: {NATIVE_STATUS}",
 )
 def main() -> None:
     """Manage PyTorch DCP checkpoints stored in LMDB or Redis.

@@ -25,7 +25,6 @@ per value. Until the choice is made, values too small to time well use ``DEFAULT
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 import statistics
@@ -47,40 +46,27 @@ NATIVE = "native"
 _OFF = ("0", "false", "no", "off")
 
 
-def _load_native() -> Callable[[memoryview, memoryview], int] | None:
+def _load_native() -> tuple[Callable[[memoryview, memoryview], int] | None, str]:
     """The compiled ``copy_hash(dst, src) -> digest``, or None where it is not built, is
-    turned off (``KVCKPT_NATIVE_COPY_HASH=0``), or disagrees with python-xxhash."""
+    turned off (``KVCKPT_NATIVE_COPY_HASH=0``), or disagrees with python-xxhash; and which, in
+    words (``kvckpt --version`` prints them)."""
     if os.environ.get("KVCKPT_NATIVE_COPY_HASH", "1").strip() in _OFF:
-        return None
+        return None, "turned off (KVCKPT_NATIVE_COPY_HASH=0): numpy's pieces"
     try:
-        from ._copy_hash import copy_hash
+        from ._copy_hash import copy_hash, kernel
     except ImportError:
-        return None
+        return None, "not built (no C compiler at install): numpy's pieces"
     src = np.random.default_rng(0).integers(0, 256, 70_000, dtype=np.uint8)
     dst = np.empty_like(src)
     for n in (0, 7, 240, 241, 1024, 1025, 9_000, 70_000):
-        if copy_hash(dst[:n].data, src[:n].data) != xxhash.xxh3_64_intdigest(src[:n].data):
-            return None
-        if not np.array_equal(dst[:n], src[:n]):
-            return None
-    return copy_hash
+        digest = copy_hash(dst[:n].data, src[:n].data)
+        if digest != xxhash.xxh3_64_intdigest(src[:n].data) or not np.array_equal(dst[:n], src[:n]):
+            return None, "built but disagrees with python-xxhash, so unused: numpy's pieces"
+    return copy_hash, f"built ({kernel()}), timed against numpy's pieces"
 
 
-#: The compiled loop, where it is built and agrees with python-xxhash.
-NATIVE_COPY_HASH = _load_native()
-
-
-def native_status() -> str:
-    """The native loop's state in words, for ``kvckpt --version``."""
-    if NATIVE_COPY_HASH is not None:
-        from ._copy_hash import kernel
-
-        return f"built ({kernel()}), timed against numpy's pieces"
-    if importlib.util.find_spec(f"{__package__}._copy_hash") is None:
-        return "not built (no C compiler at install): numpy's pieces"
-    if os.environ.get("KVCKPT_NATIVE_COPY_HASH", "1").strip() in _OFF:
-        return "turned off (KVCKPT_NATIVE_COPY_HASH=0): numpy's pieces"
-    return "built but disagrees with python-xxhash, so unused: numpy's pieces"
+#: The compiled loop, where it is built and agrees with python-xxhash; and its state in words.
+NATIVE_COPY_HASH, NATIVE_STATUS = _load_native()
 
 
 #: The piece sizes tried: a quarter to all of the largest L2 of current server cores (2 MiB),
