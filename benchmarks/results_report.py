@@ -29,26 +29,41 @@ def machine_line(r: dict[str, Any]) -> str:
     return r["machine"] if cpu in r["machine"] else f"{cpu}; {r['machine']}"
 
 
+_WAYS = {
+    "native": "native loop",
+    "native-stream": "native loop, non-temporal stores",
+    "memcpy": "numpy's copy",
+    "stream": "native copy, non-temporal stores",
+}
+
+
 def _way(c: int | str) -> str:
-    return "native loop" if c == "native" else f"{int(c) // 1024} KiB pieces"
+    return _WAYS.get(str(c)) or f"{int(c) // 1024} KiB pieces"
+
+
+def _choice_line(what: str, way: dict[str, Any]) -> str:
+    timed = ", ".join(f"{_way(c)} {ms:.0f}" for c, ms in way["ms_per_gib"].items())
+    if way["chosen"] is None:
+        chosen = "not chosen (too few values of a default part or more to time)"
+    else:
+        chosen = _way(way["chosen"])
+    return f"- {what}, chosen by timing the run's first loads: {chosen}" + (
+        f" (medians, ms per GiB on one thread: {timed})" if timed else ""
+    )
 
 
 def piece_line(r: dict[str, Any]) -> list[str]:
-    """The way to copy and hash (the native loop, or pieces of a size) the run's verified LMDB
+    """The ways to copy and hash (the native loop with either kind of store, or pieces of a
+    size) and to copy unverified (numpy's, or the native non-temporal copy) the run's LMDB
     loads chose by timing, and the timings (none for a run made before the choice was timed;
-    runs before the native loop chose only a piece size)."""
+    runs before the native loop chose only a piece size, and copied unverified with numpy)."""
+    lines = []
     way = r.get("copy_hash_way") or r.get("copy_hash_piece")
-    if way is None:
-        return []
-    timed = ", ".join(f"{_way(c)} {ms:.0f}" for c, ms in way["ms_per_gib"].items())
-    if way["chosen"] is None:
-        chosen = "not chosen (too few verified values of a default part or more to time)"
-    else:
-        chosen = _way(way["chosen"])
-    return [
-        "- the verified LMDB load's copy-and-hash, chosen by timing the run's first "
-        f"loads: {chosen}" + (f" (medians, ms per GiB on one thread: {timed})" if timed else "")
-    ]
+    if way is not None:
+        lines.append(_choice_line("the verified LMDB load's copy-and-hash", way))
+    if "copy_way" in r:
+        lines.append(_choice_line("the unverified LMDB load's copy", r["copy_way"]))
+    return lines
 
 
 def checksum_line(r: dict[str, Any]) -> list[str]:

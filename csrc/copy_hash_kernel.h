@@ -1,22 +1,32 @@
 /* The fused copy-and-hash loop, compiled once per instruction set (copy_hash_avx2.c,
- * copy_hash_generic.c) with COPY_HASH_FN naming it. Included after xxhash.h with
- * XXH_INLINE_ALL, whose XXH3 internals it drives block by block.
+ * copy_hash_generic.c) with COPY_HASH_FN naming it, after copy_stream.h has defined that file's
+ * copy with non-temporal stores. Included after xxhash.h with XXH_INLINE_ALL, whose
+ * XXH3 internals it drives block by block.
  *
  * XXH3-64 (seed 0) of a long input accumulates 1 KiB blocks (16 stripes of 64 bytes), then
  * the stripes of the last partial block, then the input's last 64 bytes, and merges. This loop
  * runs the same steps, and between them copies each block while it is in L1: the hash reads
  * the source block from memory into the cache and the copy reads it from there, so memory is
- * read once. Both the source and the destination are prefetched 8 KiB ahead, which keeps the
- * memory busy while the core hashes. The result equals XXH3_64bits(src, len); the module
- * checks that against its own reference when it loads (copy_hash.c) and kvckpt against
- * python-xxhash before it uses it. */
+ * read once. The source is prefetched 8 KiB ahead, which keeps the memory busy while the core
+ * hashes.
+ *
+ * The block goes out one of two ways. With ordinary stores (stream == 0) each destination line
+ * is read into the cache before it is written, so it is prefetched ahead too. With
+ * non-temporal stores (stream != 0) the lines are written around the cache without that
+ * read: a third less memory traffic, which on a CPU whose copy waits on memory takes the
+ * hash's cost off, but the destination is not left in the cache (kvckpt streams only values
+ * far larger than a core's cache, where nothing would be left anyway). The result equals
+ * XXH3_64bits(src, len) either way; the module checks that against its own reference when it
+ * loads (copy_hash.c) and kvckpt against python-xxhash before it uses it. */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
+#ifndef COPY_HASH_PREFETCH
 #define COPY_HASH_PREFETCH 8192
+#endif
 
-static uint64_t COPY_HASH_FN(uint8_t *out, const uint8_t *in, size_t len) {
+static uint64_t COPY_HASH_FN(uint8_t *out, const uint8_t *in, size_t len, int stream) {
     if (len <= XXH3_MIDSIZE_MAX) {
         memcpy(out, in, len);
         return XXH3_64bits(out, len);
@@ -27,18 +37,34 @@ static uint64_t COPY_HASH_FN(uint8_t *out, const uint8_t *in, size_t len) {
     size_t const stripes = (secret_size - XXH_STRIPE_LEN) / XXH_SECRET_CONSUME_RATE;
     size_t const block = XXH_STRIPE_LEN * stripes;
     size_t const blocks = (len - 1) / block;
+    /* Streaming stores need an aligned destination: where it is (a tensor's memory), each
+     * stripe goes out as it is hashed; where it is not, each block, around its ends. */
+    int const stripe_stream = stream && ((uintptr_t)out & (STREAM_ALIGN - 1)) == 0;
     for (size_t n = 0; n < blocks; n++) {
         const xxh_u8 *s = in + n * block;
         xxh_u8 *d = out + n * block;
         if ((n + 1) * block + COPY_HASH_PREFETCH <= len)
             for (size_t k = 0; k < block; k += 64) {
                 __builtin_prefetch(s + COPY_HASH_PREFETCH + k, 0, 3);
-                __builtin_prefetch(d + COPY_HASH_PREFETCH + k, 1, 3);
+                if (!stream)
+                    __builtin_prefetch(d + COPY_HASH_PREFETCH + k, 1, 3);
             }
-        XXH3_accumulate(acc, s, secret, stripes);
-        memcpy(d, s, block);
+        /* Stripe by stripe: the copy's stores leave between the hash's steps, so memory
+         * takes the writes while the core hashes, not in a burst after each block. */
+        for (size_t k = 0; k < stripes; k++) {
+            size_t const at = k * XXH_STRIPE_LEN;
+            XXH3_accumulate_512(acc, s + at, secret + k * XXH_SECRET_CONSUME_RATE);
+            if (stripe_stream)
+                stream_stripe(d + at, s + at);
+            else if (!stream)
+                memcpy(d + at, s + at, XXH_STRIPE_LEN);
+        }
+        if (stream && !stripe_stream)
+            copy_stream(d, s, block);
         XXH3_scrambleAcc(acc, secret + secret_size - XXH_STRIPE_LEN);
     }
+    if (stream)
+        copy_stream_fence();
     size_t const done = blocks * block;
     memcpy(out + done, in + done, len - done);
     XXH3_accumulate(acc, out + done, secret, ((len - 1) - done) / XXH_STRIPE_LEN);

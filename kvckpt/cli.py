@@ -35,7 +35,7 @@ from .cli_common import (
     show_time,
     table,
 )
-from .engines._copy_hash_choice import NATIVE_STATUS
+from .engines._copy_ways import NATIVE_STATUS
 from .engines.base import Engine
 from .errors import CheckpointNotFoundError, MetadataError
 from .stores import open_store

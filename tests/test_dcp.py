@@ -481,18 +481,21 @@ def test_engine_that_claims_to_hash_while_writing_but_does_not(lmdb_url: str) ->
     assert list_checkpoints(lmdb_url) == []
 
 
-@pytest.mark.parametrize("way", ["native", 1024 * 1024])
+@pytest.mark.parametrize(
+    ("way", "copy_way"),
+    [("native", "memcpy"), ("native-stream", "stream"), (1024 * 1024, "memcpy")],
+)
 def test_lmdb_checksums_are_on_by_default_and_saves_without_them_keep_loading(
-    lmdb_url: str, way: int | str, monkeypatch: pytest.MonkeyPatch
+    lmdb_url: str, way: int | str, copy_way: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each way a load copies and hashes (the native loop, numpy's pieces) verifies."""
-    from kvckpt.engines import _copy_hash_choice
+    """Each way a load copies and hashes (the native loop with either kind of store, numpy's
+    pieces) verifies, and each way it copies unverified loads the same bytes."""
+    from kvckpt.engines import _copy_ways
 
-    if way == "native" and _copy_hash_choice.NATIVE_COPY_HASH is None:
+    if isinstance(way, str) and _copy_ways.NATIVE_COPY_HASH is None:
         pytest.skip("the native copy-and-hash is not built here")
-    monkeypatch.setattr(
-        _copy_hash_choice, "COPY_HASH_WAY", _copy_hash_choice.CopyHashChoice((way,))
-    )
+    monkeypatch.setattr(_copy_ways, "COPY_HASH_WAY", _copy_ways.TimedChoice((way,)))
+    monkeypatch.setattr(_copy_ways, "COPY_WAY", _copy_ways.TimedChoice((copy_way,)))
     sd = {"w": torch.randn(1024, 2048)}  # 8 MiB: two parts, hashed and read on two threads
     save(sd, lmdb_url)
     record = KVStorageReader(lmdb_url, checkpoint_id="step-1").read_record()

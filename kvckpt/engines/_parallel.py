@@ -21,7 +21,7 @@ from queue import SimpleQueue
 
 import numpy as np
 
-from .base import Hasher, ValueCallback, copy_and_hash
+from .base import Hasher, ValueCallback, copy_and_hash, copy_into
 
 #: Below this many bytes a call stays on one thread: starting one costs more than it saves.
 _MIN_PARALLEL_BYTES = 4 << 20
@@ -64,7 +64,7 @@ def fill(
                 if hasher is not None:  # (a whole value: a == 0, b == its size)
                     digest: int | None = copy_and_hash(buffers[i], sources[i], hasher())  # type: ignore[arg-type]
                 else:
-                    np.copyto(_array(buffers[i])[a:b], _array(sources[i])[a:b])  # type: ignore[arg-type]
+                    copy_into(_array(buffers[i])[a:b].data, _array(sources[i])[a:b].data)  # type: ignore[arg-type]
                     digest = None
                     with lock:
                         left[i] -= 1

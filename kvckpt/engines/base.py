@@ -18,8 +18,8 @@ from typing import Protocol
 import numpy as np
 import xxhash
 
-from . import _copy_hash_choice
-from ._copy_hash_choice import NATIVE
+from . import _copy_ways
+from ._copy_ways import NATIVE, NATIVE_STREAM, STREAM, STREAM_MIN_BYTES
 
 #: Anything with the buffer protocol that kvckpt hands to an engine as a value.
 BytesLike = bytes | bytearray | memoryview
@@ -65,25 +65,26 @@ _HASH_PIECE = 1024 * 1024
 def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher) -> int:
     """Copy ``src`` into ``dest`` and return the digest of its bytes, fed to ``hasher``, in one
     pass over memory instead of two. A fresh xxh3 hasher (the format's checksum) may be
-    replaced by the compiled loop (``_copy_hash_choice.NATIVE``), which fuses the copy and the
-    hash block by block and leaves ``hasher`` untouched; otherwise each cache-sized piece of
-    the source is hashed just before it is copied: the hash streams the piece from memory into
-    the CPU's cache, where the copy then reads it (``benchmarks/run.py`` measures the cost; a
-    save's ``HashesAhead`` reads ahead the same way). The way and the piece size are the
-    process's ``COPY_HASH_WAY``, chosen by timing its first verified values. Every way releases
-    the GIL (the native loop, numpy's copy, xxhash), so several threads can run it at once."""
-    choice = _copy_hash_choice.COPY_HASH_WAY
-    native = _copy_hash_choice.NATIVE_COPY_HASH
+    replaced by the compiled loop (``_copy_ways.NATIVE``, or ``NATIVE_STREAM`` writing with
+    non-temporal stores), which fuses the copy and the hash stripe by stripe and leaves
+    ``hasher`` untouched; otherwise each cache-sized piece of the source is hashed just before
+    it is copied: the hash streams the piece from memory into the CPU's cache, where the copy
+    then reads it (``benchmarks/run.py`` measures the cost; a save's ``HashesAhead`` reads
+    ahead the same way). The way and the piece size are the process's ``COPY_HASH_WAY``,
+    chosen by timing its first verified values. Every way releases the GIL (the native loop,
+    numpy's copy, xxhash), so several threads can run it at once."""
+    choice = _copy_ways.COPY_HASH_WAY
+    native = _copy_ways.NATIVE_COPY_HASH
     usable = native is not None and _fresh_xxh3(hasher)
     # Values the native loop cannot copy are not timed where it is a candidate: its turns
     # would go unrecorded and the choice would never be made.
     timed = choice.trial(src.nbytes) if usable or NATIVE not in choice.candidates else None
     way = timed or choice.way()
-    if way == NATIVE and not usable:
-        way = _copy_hash_choice.DEFAULT
+    if way in (NATIVE, NATIVE_STREAM) and not usable:
+        way = _copy_ways.DEFAULT
     started = time.perf_counter()
-    if way == NATIVE and native is not None:  # (usable: it is not None)
-        digest = native(dest, src)
+    if way in (NATIVE, NATIVE_STREAM) and native is not None:  # (usable: it is not None)
+        digest = native(dest, src, way == NATIVE_STREAM and src.nbytes >= STREAM_MIN_BYTES)
     else:
         out, into = np.frombuffer(dest, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8)
         size = int(way)
@@ -95,6 +96,23 @@ def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher) -> int:
     if timed is not None:
         choice.record(timed, src.nbytes, time.perf_counter() - started)
     return digest
+
+
+def copy_into(dest: memoryview, src: memoryview) -> None:
+    """Copy ``src`` into ``dest`` (the same number of bytes), unverified: with numpy's copy or,
+    for a value of ``STREAM_MIN_BYTES`` or more, the compiled copy with non-temporal stores,
+    whichever the process's ``COPY_WAY`` chose by timing its first values. Releases the GIL."""
+    choice = _copy_ways.COPY_WAY
+    stream = _copy_ways.NATIVE_STREAM_COPY
+    timed = choice.trial(src.nbytes)
+    way = timed or choice.way()
+    started = time.perf_counter()
+    if way == STREAM and stream is not None and src.nbytes >= STREAM_MIN_BYTES:
+        stream(dest, src)
+    else:
+        np.copyto(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+    if timed is not None:
+        choice.record(timed, src.nbytes, time.perf_counter() - started)
 
 
 #: The digest of no bytes: a hasher that gives it is fresh (nothing fed, seed 0).
@@ -242,7 +260,7 @@ class Engine(ABC):
             if view.nbytes != buffers[i].nbytes:
                 return
             if hasher is None:
-                buffers[i][:] = view
+                copy_into(buffers[i], view)
                 digest = None
             else:
                 digest = copy_and_hash(buffers[i], view, hasher())

@@ -1,5 +1,5 @@
-"""The way a verified load copies and hashes (the native loop, or pieces of a size): chosen by
-timing the process's own verified values."""
+"""The way a load copies (and, verified, hashes) each value: the native loop with ordinary or
+non-temporal stores, pieces of a size, numpy's copy; chosen by timing the process's own values."""
 
 from __future__ import annotations
 
@@ -17,13 +17,17 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvckpt.engines import _copy_hash_choice, base
-from kvckpt.engines._copy_hash_choice import (
+from kvckpt.engines import _copy_ways, base
+from kvckpt.engines._copy_ways import (
     DEFAULT,
+    MEMCPY,
     MIN_TIMED_BYTES,
     NATIVE,
+    NATIVE_STREAM,
     PIECES,
-    CopyHashChoice,
+    STREAM,
+    STREAM_MIN_BYTES,
+    TimedChoice,
 )
 from kvckpt.engines.base import DEFAULT_PART_BYTES
 
@@ -33,7 +37,7 @@ KIB = 1024
 
 
 def test_candidates_take_turns_until_each_is_timed_then_the_fastest_median_stays() -> None:
-    choice = CopyHashChoice((256 * KIB, 512 * KIB, 1024 * KIB), samples=3, min_timed=4096)
+    choice = TimedChoice((256 * KIB, 512 * KIB, 1024 * KIB), samples=3, min_timed=4096)
     cost = {256 * KIB: 3.0, 512 * KIB: 1.0, 1024 * KIB: 2.0}
     tried = []
     while choice.chosen is None:
@@ -51,22 +55,22 @@ def test_candidates_take_turns_until_each_is_timed_then_the_fastest_median_stays
 
 
 def test_small_values_are_not_timed_and_use_the_default() -> None:
-    choice = CopyHashChoice((256 * KIB, 512 * KIB), samples=1, default=384 * KIB, min_timed=4096)
+    choice = TimedChoice((256 * KIB, 512 * KIB), samples=1, default=384 * KIB, min_timed=4096)
     assert choice.trial(4095) is None
     assert choice.way() == 384 * KIB
     assert choice.chosen is None
 
 
 def test_one_candidate_is_chosen_from_the_start_and_bad_settings_are_refused() -> None:
-    assert CopyHashChoice((64 * KIB,)).chosen == 64 * KIB
+    assert TimedChoice((64 * KIB,)).chosen == 64 * KIB
     with pytest.raises(ValueError, match="candidate"):
-        CopyHashChoice(())
+        TimedChoice(())
     with pytest.raises(ValueError, match="sample"):
-        CopyHashChoice((64 * KIB,), samples=0)
+        TimedChoice((64 * KIB,), samples=0)
 
 
 def test_records_after_the_choice_change_nothing() -> None:
-    choice = CopyHashChoice((1 * KIB, 2 * KIB), samples=1, min_timed=1)
+    choice = TimedChoice((1 * KIB, 2 * KIB), samples=1, min_timed=1)
     choice.record(1 * KIB, 10, 1.0)
     choice.record(2 * KIB, 10, 2.0)
     assert choice.chosen == 1 * KIB
@@ -75,7 +79,7 @@ def test_records_after_the_choice_change_nothing() -> None:
 
 
 def test_threads_timing_at_once_agree_on_one_choice() -> None:
-    choice = CopyHashChoice((1 * KIB, 2 * KIB, 4 * KIB), samples=50, min_timed=1)
+    choice = TimedChoice((1 * KIB, 2 * KIB, 4 * KIB), samples=50, min_timed=1)
 
     def work() -> None:
         while (size := choice.trial(100)) is not None:
@@ -93,7 +97,7 @@ def test_threads_timing_at_once_agree_on_one_choice() -> None:
 def test_copy_and_hash_gives_the_same_bytes_and_digest_with_every_piece_size(
     piece: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_copy_hash_choice, "COPY_HASH_WAY", CopyHashChoice((piece,)))
+    monkeypatch.setattr(_copy_ways, "COPY_HASH_WAY", TimedChoice((piece,)))
     src = np.random.default_rng(0).integers(0, 256, 5 * 1024 * KIB + 123, dtype=np.uint8)
     dest = np.zeros_like(src)
     digest = base.copy_and_hash(memoryview(dest), memoryview(src), xxhash.xxh3_64())
@@ -102,8 +106,8 @@ def test_copy_and_hash_gives_the_same_bytes_and_digest_with_every_piece_size(
 
 
 def test_copy_and_hash_times_values_for_the_process_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    choice = CopyHashChoice((256 * KIB, 512 * KIB), samples=2, min_timed=1024 * KIB)
-    monkeypatch.setattr(_copy_hash_choice, "COPY_HASH_WAY", choice)
+    choice = TimedChoice((256 * KIB, 512 * KIB), samples=2, min_timed=1024 * KIB)
+    monkeypatch.setattr(_copy_ways, "COPY_HASH_WAY", choice)
     src = np.ones(1024 * KIB, dtype=np.uint8)
     for _ in range(4):
         base.copy_and_hash(memoryview(np.empty_like(src)), memoryview(src), xxhash.xxh3_64())
@@ -134,9 +138,9 @@ def test_a_sent_value_is_hashed_piece_by_piece_after_each_piece_is_handed_on() -
 
 
 def native_or_skip() -> Callable[[memoryview, memoryview], int]:
-    if _copy_hash_choice.NATIVE_COPY_HASH is None:
+    if _copy_ways.NATIVE_COPY_HASH is None:
         pytest.skip("the native copy-and-hash is not built here")
-    return _copy_hash_choice.NATIVE_COPY_HASH
+    return _copy_ways.NATIVE_COPY_HASH
 
 
 def test_the_native_loop_is_built_and_a_candidate_where_a_compiler_is() -> None:
@@ -144,10 +148,11 @@ def test_the_native_loop_is_built_and_a_candidate_where_a_compiler_is() -> None:
     native loop; the process then times it against the pieces."""
     if sysconfig.get_config_var("CC") is None or shutil.which("gcc") is None:
         pytest.skip("no C compiler here: kvckpt installs without the native loop")
-    assert _copy_hash_choice.NATIVE_COPY_HASH is not None, (
+    assert _copy_ways.NATIVE_COPY_HASH is not None, (
         "kvckpt.engines._copy_hash is not built: reinstall with `pip install -e .`"
     )
-    assert (NATIVE, *PIECES) == _copy_hash_choice.CANDIDATES
+    assert (NATIVE, NATIVE_STREAM, *PIECES) == _copy_ways.CANDIDATES
+    assert (MEMCPY, STREAM) == _copy_ways.COPY_CANDIDATES
 
 
 @settings(max_examples=60, deadline=None)
@@ -159,15 +164,34 @@ def test_the_native_loop_is_built_and_a_candidate_where_a_compiler_is() -> None:
         st.integers(0, 3 << 20),
     ),
     offset=st.integers(0, 63),
+    dest_offset=st.integers(0, 63),
+    stream=st.booleans(),
 )
 def test_the_native_loop_copies_and_gives_xxh3_of_any_length_and_alignment(
-    n: int, offset: int
+    n: int, offset: int, dest_offset: int, stream: bool
 ) -> None:
+    """With ordinary stores and with non-temporal ones, whose aligned middle and unaligned ends
+    of each block take different paths."""
     native = native_or_skip()
-    src = np.random.default_rng(n).integers(0, 256, n + offset, dtype=np.uint8)[offset:]
-    dest = np.zeros(n + 64, dtype=np.uint8)[offset : offset + n]
-    assert native(memoryview(dest), memoryview(src)) == xxhash.xxh3_64_intdigest(src)
+    src = np.random.default_rng(n).integers(0, 256, n + 64, dtype=np.uint8)[offset : offset + n]
+    dest = np.zeros(n + 64, dtype=np.uint8)[dest_offset : dest_offset + n]
+    assert native(memoryview(dest), memoryview(src), stream) == xxhash.xxh3_64_intdigest(src)
     assert np.array_equal(dest, src)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 3 << 20), offset=st.integers(0, 63), dest_offset=st.integers(0, 63))
+def test_the_native_streaming_copy_copies_any_length_and_alignment(
+    n: int, offset: int, dest_offset: int
+) -> None:
+    native_or_skip()
+    stream_copy = _copy_ways.NATIVE_STREAM_COPY
+    assert stream_copy is not None
+    src = np.random.default_rng(n).integers(0, 256, n + 64, dtype=np.uint8)[offset : offset + n]
+    out = np.zeros(n + 128, dtype=np.uint8)
+    stream_copy(out[dest_offset : dest_offset + n].data, src.data)
+    assert np.array_equal(out[dest_offset : dest_offset + n], src)
+    assert not out[:dest_offset].any() and not out[dest_offset + n :].any()  # nothing beyond
 
 
 def test_the_native_loop_refuses_buffers_it_cannot_fill() -> None:
@@ -184,6 +208,12 @@ def test_the_native_loop_refuses_overlapping_buffers() -> None:
     buf = np.zeros(100, dtype=np.uint8)
     with pytest.raises(ValueError, match="overlap"):
         native(buf[10:60].data, buf[:50].data)
+    stream_copy = _copy_ways.NATIVE_STREAM_COPY
+    assert stream_copy is not None
+    with pytest.raises(ValueError, match="stream_copy: the buffers overlap"):
+        stream_copy(buf[10:60].data, buf[:50].data)
+    with pytest.raises(ValueError, match="stream_copy: destination holds 99 bytes, source 100"):
+        stream_copy(memoryview(bytearray(99)), memoryview(bytes(100)))
     assert native(buf[50:].data, buf[:50].data) == xxhash.xxh3_64_intdigest(bytes(50))
 
 
@@ -194,8 +224,8 @@ def test_the_native_loop_is_timed_with_the_pieces_and_other_hashers_wait_for_the
     included; a hasher the loop cannot stand for is copied untimed, so the loop's turns are
     never lost and the choice is made."""
     native_or_skip()
-    choice = CopyHashChoice((NATIVE, 1024 * KIB), samples=2, min_timed=1024 * KIB)
-    monkeypatch.setattr(_copy_hash_choice, "COPY_HASH_WAY", choice)
+    choice = TimedChoice((NATIVE, 1024 * KIB), samples=2, min_timed=1024 * KIB)
+    monkeypatch.setattr(_copy_ways, "COPY_HASH_WAY", choice)
     src = np.random.default_rng(4).integers(0, 256, 2048 * KIB, dtype=np.uint8)
     other = xxhash.xxh3_64(seed=1)
     base.copy_and_hash(memoryview(np.empty_like(src)), memoryview(src), other)
@@ -209,8 +239,8 @@ def test_the_version_says_when_the_native_loop_is_not_built(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setitem(sys.modules, "kvckpt.engines._copy_hash", None)  # import fails
-    native, status = _copy_hash_choice._load_native()
-    assert native is None
+    native, stream_copy, status = _copy_ways._load_native()
+    assert native is None and stream_copy is None
     assert status.startswith("not built (no C compiler at install)")
 
 
@@ -242,8 +272,8 @@ def test_the_native_loop_runs_on_threads_at_once() -> None:
 def test_copy_and_hash_falls_back_to_pieces_for_a_hasher_the_native_loop_cannot_stand_for(
     make: Callable[[], base.Hasher], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    choice = CopyHashChoice((NATIVE,))
-    monkeypatch.setattr(_copy_hash_choice, "COPY_HASH_WAY", choice)
+    choice = TimedChoice((NATIVE,))
+    monkeypatch.setattr(_copy_ways, "COPY_HASH_WAY", choice)
     src = np.random.default_rng(2).integers(0, 256, 3 << 20, dtype=np.uint8)
     dest = np.zeros_like(src)
     expected = make()
@@ -255,15 +285,15 @@ def test_copy_and_hash_falls_back_to_pieces_for_a_hasher_the_native_loop_cannot_
 def test_copy_and_hash_uses_the_native_loop_once_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
     native_or_skip()
     calls = []
-    real = _copy_hash_choice.NATIVE_COPY_HASH
+    real = _copy_ways.NATIVE_COPY_HASH
     assert real is not None
 
-    def counted(dest: memoryview, src: memoryview) -> int:
+    def counted(dest: memoryview, src: memoryview, stream: bool = False) -> int:
         calls.append(src.nbytes)
-        return real(dest, src)
+        return real(dest, src, stream)
 
-    monkeypatch.setattr(_copy_hash_choice, "NATIVE_COPY_HASH", counted)
-    monkeypatch.setattr(_copy_hash_choice, "COPY_HASH_WAY", CopyHashChoice((NATIVE,)))
+    monkeypatch.setattr(_copy_ways, "NATIVE_COPY_HASH", counted)
+    monkeypatch.setattr(_copy_ways, "COPY_HASH_WAY", TimedChoice((NATIVE,)))
     src = np.random.default_rng(3).integers(0, 256, 5 << 20, dtype=np.uint8)
     dest = np.zeros_like(src)
     digest = base.copy_and_hash(memoryview(dest), memoryview(src), xxhash.xxh3_64())
@@ -275,14 +305,15 @@ def test_the_native_loop_is_timed_beside_the_pieces_and_can_be_turned_off() -> N
     """``KVCKPT_NATIVE_COPY_HASH=0`` leaves only the pieces to choose from, and
     ``kvckpt --version`` says so."""
     code = (
-        "from kvckpt.engines import _copy_hash_choice as c;"
-        "print(c.NATIVE_COPY_HASH is None, c.CANDIDATES)"
+        "from kvckpt.engines import _copy_ways as c;"
+        "print(c.NATIVE_COPY_HASH is None, c.NATIVE_STREAM_COPY is None, c.CANDIDATES,"
+        " c.COPY_CANDIDATES)"
     )
     env = {**os.environ, "KVCKPT_NATIVE_COPY_HASH": "0"}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     ).stdout
-    assert out.strip() == f"True {PIECES}"
+    assert out.strip() == f"True True {PIECES} ('memcpy',)"
     version = subprocess.run(
         [sys.executable, "-m", "kvckpt", "--version"],
         env=env,
@@ -298,3 +329,53 @@ def test_the_version_says_whether_the_native_loop_is_used() -> None:
     result = run("--version")
     assert result.returncode == 0
     assert "native copy-and-hash: built (" in result.stdout
+
+
+@pytest.mark.parametrize("size", [STREAM_MIN_BYTES - 1, 5 << 20])
+def test_the_streaming_way_writes_large_values_with_non_temporal_stores_and_small_ones_not(
+    size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``native-stream`` and ``stream`` stream only values of ``STREAM_MIN_BYTES`` or more:
+    a smaller value fits the cache, where its next reader finds it."""
+    native_or_skip()
+    real_hash, real_copy = _copy_ways.NATIVE_COPY_HASH, _copy_ways.NATIVE_STREAM_COPY
+    assert real_hash is not None and real_copy is not None
+    streamed: list[bool] = []
+
+    def counted_hash(dest: memoryview, src: memoryview, stream: bool = False) -> int:
+        streamed.append(stream)
+        return real_hash(dest, src, stream)
+
+    def counted_copy(dest: memoryview, src: memoryview) -> None:
+        streamed.append(True)
+        real_copy(dest, src)
+
+    monkeypatch.setattr(_copy_ways, "NATIVE_COPY_HASH", counted_hash)
+    monkeypatch.setattr(_copy_ways, "NATIVE_STREAM_COPY", counted_copy)
+    monkeypatch.setattr(_copy_ways, "COPY_HASH_WAY", TimedChoice((NATIVE_STREAM,)))
+    monkeypatch.setattr(_copy_ways, "COPY_WAY", TimedChoice((STREAM,)))
+    src = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
+    dest = np.zeros_like(src)
+    assert base.copy_and_hash(memoryview(dest), memoryview(src), xxhash.xxh3_64()) == (
+        xxhash.xxh3_64_intdigest(src)
+    )
+    assert np.array_equal(dest, src)
+    dest[:] = 0
+    base.copy_into(memoryview(dest), memoryview(src))
+    assert np.array_equal(dest, src)
+    large = size >= STREAM_MIN_BYTES
+    assert streamed == ([True, True] if large else [False])
+
+
+def test_unverified_copies_time_numpy_against_the_streaming_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    native_or_skip()
+    choice = TimedChoice((MEMCPY, STREAM), samples=2, default=MEMCPY, min_timed=1 << 20)
+    monkeypatch.setattr(_copy_ways, "COPY_WAY", choice)
+    src = np.random.default_rng(6).integers(0, 256, 2 << 20, dtype=np.uint8)
+    for _ in range(4):
+        dest = np.zeros_like(src)
+        base.copy_into(memoryview(dest), memoryview(src))
+        assert np.array_equal(dest, src)
+    assert set(choice.medians()) == {MEMCPY, STREAM} and choice.chosen in (MEMCPY, STREAM)
