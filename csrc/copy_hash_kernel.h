@@ -26,6 +26,44 @@
 #define COPY_HASH_PREFETCH 8192
 #endif
 
+/* How a block's copy goes out. */
+enum { STORE_ORDINARY, STORE_STREAM_STRIPES, STORE_STREAM_BLOCK };
+
+/* Hash blocks [0, blocks) into acc and copy them. Inlined once per store kind, each with its
+ * own loop: a test per stripe in the loop costs a load that waits on memory a few percent. */
+static inline __attribute__((always_inline)) void copy_hash_blocks(
+    xxh_u64 *acc, uint8_t *out, const uint8_t *in, size_t len, size_t blocks, int store) {
+    const xxh_u8 *secret = XXH3_kSecret;
+    size_t const secret_size = sizeof(XXH3_kSecret);
+    size_t const stripes = (secret_size - XXH_STRIPE_LEN) / XXH_SECRET_CONSUME_RATE;
+    size_t const block = XXH_STRIPE_LEN * stripes;
+    for (size_t n = 0; n < blocks; n++) {
+        const xxh_u8 *s = in + n * block;
+        xxh_u8 *d = out + n * block;
+        if ((n + 1) * block + COPY_HASH_PREFETCH <= len)
+            for (size_t k = 0; k < block; k += 64) {
+                __builtin_prefetch(s + COPY_HASH_PREFETCH + k, 0, 3);
+                if (store == STORE_ORDINARY)
+                    __builtin_prefetch(d + COPY_HASH_PREFETCH + k, 1, 3);
+            }
+        /* Stripe by stripe: the copy's stores leave between the hash's steps, so memory
+         * takes the writes while the core hashes, not in a burst after each block. */
+        for (size_t k = 0; k < stripes; k++) {
+            size_t const at = k * XXH_STRIPE_LEN;
+            XXH3_accumulate_512(acc, s + at, secret + k * XXH_SECRET_CONSUME_RATE);
+            if (store == STORE_STREAM_STRIPES)
+                stream_stripe(d + at, s + at);
+            else if (store == STORE_ORDINARY)
+                memcpy(d + at, s + at, XXH_STRIPE_LEN);
+        }
+        if (store == STORE_STREAM_BLOCK)
+            copy_stream(d, s, block);
+        XXH3_scrambleAcc(acc, secret + secret_size - XXH_STRIPE_LEN);
+    }
+    if (store != STORE_ORDINARY)
+        copy_stream_fence();
+}
+
 static uint64_t COPY_HASH_FN(uint8_t *out, const uint8_t *in, size_t len, int stream) {
     if (len <= XXH3_MIDSIZE_MAX) {
         memcpy(out, in, len);
@@ -34,37 +72,16 @@ static uint64_t COPY_HASH_FN(uint8_t *out, const uint8_t *in, size_t len, int st
     const xxh_u8 *secret = XXH3_kSecret;
     size_t const secret_size = sizeof(XXH3_kSecret);
     XXH_ALIGN(XXH_ACC_ALIGN) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;
-    size_t const stripes = (secret_size - XXH_STRIPE_LEN) / XXH_SECRET_CONSUME_RATE;
-    size_t const block = XXH_STRIPE_LEN * stripes;
+    size_t const block = XXH_STRIPE_LEN * ((secret_size - XXH_STRIPE_LEN) / XXH_SECRET_CONSUME_RATE);
     size_t const blocks = (len - 1) / block;
     /* Streaming stores need an aligned destination: where it is (a tensor's memory), each
      * stripe goes out as it is hashed; where it is not, each block, around its ends. */
-    int const stripe_stream = stream && ((uintptr_t)out & (STREAM_ALIGN - 1)) == 0;
-    for (size_t n = 0; n < blocks; n++) {
-        const xxh_u8 *s = in + n * block;
-        xxh_u8 *d = out + n * block;
-        if ((n + 1) * block + COPY_HASH_PREFETCH <= len)
-            for (size_t k = 0; k < block; k += 64) {
-                __builtin_prefetch(s + COPY_HASH_PREFETCH + k, 0, 3);
-                if (!stream)
-                    __builtin_prefetch(d + COPY_HASH_PREFETCH + k, 1, 3);
-            }
-        /* Stripe by stripe: the copy's stores leave between the hash's steps, so memory
-         * takes the writes while the core hashes, not in a burst after each block. */
-        for (size_t k = 0; k < stripes; k++) {
-            size_t const at = k * XXH_STRIPE_LEN;
-            XXH3_accumulate_512(acc, s + at, secret + k * XXH_SECRET_CONSUME_RATE);
-            if (stripe_stream)
-                stream_stripe(d + at, s + at);
-            else if (!stream)
-                memcpy(d + at, s + at, XXH_STRIPE_LEN);
-        }
-        if (stream && !stripe_stream)
-            copy_stream(d, s, block);
-        XXH3_scrambleAcc(acc, secret + secret_size - XXH_STRIPE_LEN);
-    }
-    if (stream)
-        copy_stream_fence();
+    if (!stream)
+        copy_hash_blocks(acc, out, in, len, blocks, STORE_ORDINARY);
+    else if (((uintptr_t)out & (STREAM_ALIGN - 1)) == 0)
+        copy_hash_blocks(acc, out, in, len, blocks, STORE_STREAM_STRIPES);
+    else
+        copy_hash_blocks(acc, out, in, len, blocks, STORE_STREAM_BLOCK);
     size_t const done = blocks * block;
     memcpy(out + done, in + done, len - done);
     XXH3_accumulate(acc, out + done, secret, ((len - 1) - done) / XXH_STRIPE_LEN);
