@@ -5,12 +5,12 @@
  *
  * XXH3-64 (seed 0) of a long input accumulates 1 KiB blocks (16 stripes of 64 bytes), then
  * the stripes of the last partial block, then the input's last 64 bytes, and merges. This loop
- * runs the same steps, and between them copies each block while it is in L1: the hash reads
- * the source block from memory into the cache and the copy reads it from there, so memory is
- * read once. The source is prefetched 8 KiB ahead, which keeps the memory busy while the core
+ * runs the same steps, and after each stripe's step copies that stripe while it is in L1: the
+ * hash reads the source from memory into the cache and the copy reads it from there, so memory
+ * is read once. The source is prefetched 8 KiB ahead, which keeps the memory busy while the core
  * hashes.
  *
- * The block goes out one of two ways. With ordinary stores (stream == 0) each destination line
+ * The copy goes out one of two ways. With ordinary stores (stream == 0) each destination line
  * is read into the cache before it is written, so it is prefetched ahead too. With
  * non-temporal stores (stream != 0) the lines are written around the cache without that
  * read: a third less memory traffic, which on a CPU whose copy waits on memory takes the
@@ -22,15 +22,13 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifndef COPY_HASH_PREFETCH
 #define COPY_HASH_PREFETCH 8192
-#endif
 
 /* How a block's copy goes out. */
 enum { STORE_ORDINARY, STORE_STREAM_STRIPES, STORE_STREAM_BLOCK };
 
 /* Hash blocks [0, blocks) into acc and copy them. Inlined once per store kind, each with its
- * own loop: a test per stripe in the loop costs a load that waits on memory a few percent. */
+ * own loop: a test of the kind per stripe slowed the streaming loop measurably. */
 static inline __attribute__((always_inline)) void copy_hash_blocks(
     xxh_u64 *acc, uint8_t *out, const uint8_t *in, size_t len, size_t blocks, int store) {
     const xxh_u8 *secret = XXH3_kSecret;

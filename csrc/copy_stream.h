@@ -11,6 +11,14 @@
 
 #if defined(COPY_STREAM_WIDTH)
 #include <immintrin.h>
+/* One store's width, COPY_STREAM_WIDTH bytes, to an aligned destination. */
+static inline void stream_one(uint8_t *d, const uint8_t *s) {
+#if COPY_STREAM_WIDTH == 32
+    _mm256_stream_si256((__m256i *)d, _mm256_loadu_si256((const __m256i *)s));
+#else
+    _mm_stream_si128((__m128i *)d, _mm_loadu_si128((const __m128i *)s));
+#endif
+}
 static inline void copy_stream(uint8_t *d, const uint8_t *s, size_t n) {
     size_t head = (size_t)(-(uintptr_t)d) & (COPY_STREAM_WIDTH - 1);
     if (head >= n) {
@@ -20,21 +28,13 @@ static inline void copy_stream(uint8_t *d, const uint8_t *s, size_t n) {
     memcpy(d, s, head);
     size_t k = head;
     for (; k + COPY_STREAM_WIDTH <= n; k += COPY_STREAM_WIDTH)
-#if COPY_STREAM_WIDTH == 32
-        _mm256_stream_si256((__m256i *)(d + k), _mm256_loadu_si256((const __m256i *)(s + k)));
-#else
-        _mm_stream_si128((__m128i *)(d + k), _mm_loadu_si128((const __m128i *)(s + k)));
-#endif
+        stream_one(d + k, s + k);
     memcpy(d + k, s + k, n - k);
 }
 /* One 64-byte stripe to an aligned destination. */
 static inline void stream_stripe(uint8_t *d, const uint8_t *s) {
     for (size_t k = 0; k < 64; k += COPY_STREAM_WIDTH)
-#if COPY_STREAM_WIDTH == 32
-        _mm256_stream_si256((__m256i *)(d + k), _mm256_loadu_si256((const __m256i *)(s + k)));
-#else
-        _mm_stream_si128((__m128i *)(d + k), _mm_loadu_si128((const __m128i *)(s + k)));
-#endif
+        stream_one(d + k, s + k);
 }
 static inline void copy_stream_fence(void) { _mm_sfence(); }
 #define STREAM_ALIGN COPY_STREAM_WIDTH
