@@ -2,10 +2,12 @@
 about, and the targets it met and missed.
 
     python benchmarks/hosts.py docs/benchmark/intel-xeon docs/benchmark/amd-epyc ...
+    python benchmarks/hosts.py --summary docs/benchmark/intel-xeon ...
 
 Reads each directory's ``results.json`` and prints the markdown table that
-``docs/PERFORMANCE.md`` shows under "Every host measured", so that table is never typed by
-hand. Measures nothing.
+``docs/PERFORMANCE.md`` shows under "Every host measured", or with ``--summary`` the shorter
+one at its top (each run's ratios against DCP and its checksum costs), so neither table is
+typed by hand. Measures nothing.
 """
 
 from __future__ import annotations
@@ -77,6 +79,60 @@ def row(directory: Path) -> list[str]:
     ]
 
 
+#: (heading, [(metric, how to write its value)]): the summary's columns, from a run's ratios.
+_SUMMARY = (
+    ("LMDB load, x DCP's reader", (("LMDB load / DCP FileSystemReader shm", "{:.1f}x"),)),
+    (
+        "LMDB save, steady / first, x DCP t=2",
+        (
+            ("LMDB save steady / DCP FS shm t=2, taking turns", "{:.1f}x"),
+            ("LMDB save first, new store / DCP FS shm t=2, taking turns", "{:.2f}x"),
+        ),
+    ),
+    ("Redis save, x DCP t=1", (("Redis save / DCP FS shm t=1, taking turns", "{:.2f}x"),)),
+    (
+        "async_save blocks, LMDB / Redis, x DCP's (lower is better)",
+        (
+            ("async_save blocking: LMDB / DCP default stager", "{:.2f}x"),
+            ("async_save blocking: Redis / DCP default stager", "{:.2f}x"),
+        ),
+    ),
+    (
+        "checksum cost, LMDB save / load",
+        (("checksum cost, LMDB save", "{:.3f}"), ("checksum cost, LMDB load", "{:.3f}")),
+    ),
+    (
+        "checksum cost, Redis save / load",
+        (("checksum cost, Redis save", "{:.3f}"), ("checksum cost, Redis load", "{:.3f}")),
+    ),
+)
+
+
+def _ratio(results: dict[str, Any], metric: str, form: str) -> str:
+    """The run's ratio named ``metric`` (its name less the kind in parentheses), or "-"."""
+    for r in results.get("ratios", []):
+        if re.sub(r" \([^()]*\)$", "", r["metric"]) == metric:
+            return str(form.format(r["value"]))
+    return "-"
+
+
+def summary_row(directory: Path) -> list[str]:
+    """The summary's row for the run whose files are in ``directory``."""
+    results = json.loads((directory / "results.json").read_text())
+    targets = [r for r in results.get("ratios", []) if r.get("target")]
+    met = sum(1 for r in targets if r["met"])
+    return [
+        f"{results.get('cpu', '?')}, {results.get('date', '?')[:10]}, `{directory.name}/`",
+        *(" / ".join(_ratio(results, m, form) for m, form in cells) for _, cells in _SUMMARY),
+        f"{met} of {len(targets)}",
+    ]
+
+
+def summary(directories: list[Path]) -> str:
+    header = ["CPU, run", *(heading for heading, _ in _SUMMARY), "targets met"]
+    return markdown_table(header, [summary_row(d) for d in directories])
+
+
 def table(directories: list[Path]) -> str:
     header = [
         "run, files",
@@ -96,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("runs", nargs="+", type=Path, help="directories holding results.json")
-    print(table(parser.parse_args(argv).runs))
+    parser.add_argument(
+        "--summary", action="store_true", help="the ratios against DCP and the checksum costs"
+    )
+    args = parser.parse_args(argv)
+    print(summary(args.runs) if args.summary else table(args.runs))
     return 0
 
 

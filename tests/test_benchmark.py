@@ -445,12 +445,32 @@ def test_hosts_table_in_performance_md_is_the_published_runs() -> None:
     lists is published."""
     page = (Path(ROOT) / "docs/PERFORMANCE.md").read_text()
     command = next(
-        line for line in page.splitlines() if line.startswith("python benchmarks/hosts.py")
+        line for line in page.splitlines() if line.startswith("python benchmarks/hosts.py docs/")
     )
     result = run_benchmark("hosts.py", *command.split()[2:])
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() in page
     assert result.stdout.count("\n| ") == len(command.split()[2:])  # a row for each
+
+
+def test_summary_of_each_vm_kind_in_performance_md_is_hosts_output() -> None:
+    """The summary at the top of docs/PERFORMANCE.md is ``hosts.py --summary``'s output for the
+    runs its command names, one row each, every one a published run listed in the full table,
+    and one per CPU."""
+    page = (Path(ROOT) / "docs/PERFORMANCE.md").read_text()
+    lines = page.splitlines()
+    command = next(line for line in lines if line.startswith("python benchmarks/hosts.py --"))
+    full = next(line for line in lines if line.startswith("python benchmarks/hosts.py docs/"))
+    runs = command.split()[3:]
+    assert command.split()[2] == "--summary" and set(runs) <= set(full.split()[2:])
+    result = run_benchmark("hosts.py", "--summary", *runs)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() in page
+    rows = [line for line in result.stdout.splitlines()[2:] if line.startswith("| ")]
+    assert len(rows) == len(runs)
+    cpus = [row.split(", 20")[0] for row in rows]
+    assert len(set(cpus)) == len(cpus) and all("family" in cpu for cpu in cpus)
+    assert all(" - " not in row and "| - |" not in row for row in rows)  # every column found
 
 
 def test_first_saves_on_a_tmpfs_of_huge_pages(monkeypatch, tmp_path) -> None:
