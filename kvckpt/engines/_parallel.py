@@ -4,9 +4,9 @@ A load from LMDB is a memory copy, and checking a checksum on the same thread is
 over the bytes: together they nearly double the load. Both release the GIL (numpy's copy,
 xxhash's update), so two threads each hash-and-copy half of the values, and a load that
 verifies takes about as long as one copy on one thread. A save cannot split LMDB's copy (one
-write transaction, one thread), so a second thread hashes each part just before LMDB copies
-it (``HashesAhead``): the hash pulls the bytes into the CPU cache, and LMDB's copy then reads
-them from there.
+write transaction, one thread), so a second thread hashes each part while LMDB copies it
+(``HashesAlongside``): the two read the same bytes at about the same time, and whichever is
+behind finds them in the CPU cache.
 
 Threads are started per call rather than pooled: a pool inherited across ``fork`` keeps the
 count of a thread the child does not have, and work submitted to it never runs.
@@ -87,13 +87,15 @@ def fill(
         raise failure[0]
 
 
-class HashesAhead:
-    """Hashes each value on a second thread one value ahead of the engine's copy; small values
-    inline. The hash reads the value into the CPU cache and the copy then finds it there (parts
-    of the default size, 64 bytes under 4 MiB; a value larger than the cache gains nothing;
-    ``benchmarks/run.py`` measures what hashing costs a save). ``wait()`` returns once every
-    value handed over has been reported (``on_value(i, digest)``). One thread and a queue per
-    save, not a future per part, whose cost would rival the hashing's."""
+class HashesAlongside:
+    """Hashes each value on a second thread while the engine copies it; small values inline. The
+    hash and the copy stream the same bytes at about the same time, so memory is read once and
+    the one behind finds them in the CPU cache. Hashing each value before its copy (one value
+    ahead) would leave the bytes in the cache longer, for the copy's own stores to evict first:
+    where memory's bandwidth binds the copy, a second read of them from memory is what the
+    checksum costs (``benchmarks/run.py`` measures what hashing costs a save). ``wait()``
+    returns once every value handed over has been reported (``on_value(i, digest)``). One thread
+    and a queue per save, not a future per part, whose cost would rival the hashing's."""
 
     def __init__(self, hasher: Callable[[], Hasher], on_value: ValueCallback) -> None:
         self._hasher = hasher
@@ -115,8 +117,8 @@ class HashesAhead:
                 except BaseException as e:
                     self._failure.append(e)
 
-    def ahead(self, i: int, value: memoryview) -> None:
-        """Value ``i`` is the next but one to be copied into the store (or the next)."""
+    def alongside(self, i: int, value: memoryview) -> None:
+        """Value ``i`` is about to be copied into the store."""
         if value.nbytes < _INLINE_HASH_BYTES:
             self._report(i, value)
             return

@@ -64,15 +64,16 @@ _HASH_PIECE = 1024 * 1024
 
 def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher) -> int:
     """Copy ``src`` into ``dest`` and return the digest of its bytes, fed to ``hasher``, in one
-    pass over memory instead of two. A fresh xxh3 hasher (the format's checksum) may be
-    replaced by the compiled loop (``_copy_ways.NATIVE``, or ``NATIVE_STREAM`` writing with
-    non-temporal stores), which fuses the copy and the hash stripe by stripe and leaves
-    ``hasher`` untouched; otherwise each cache-sized piece of the source is hashed just before
-    it is copied: the hash streams the piece from memory into the CPU's cache, where the copy
-    then reads it (``benchmarks/run.py`` measures the cost; a save's ``HashesAhead`` reads
-    ahead the same way). The way and the piece size are the process's ``COPY_HASH_WAY``,
-    chosen by timing its first verified values. Every way releases the GIL (the native loop,
-    numpy's copy, xxhash), so several threads can run it at once."""
+    pass over memory instead of two. A fresh xxh3 hasher (the format's checksum) may be replaced
+    by the compiled loop (``_copy_ways.NATIVE``, or ``NATIVE_STREAM`` writing with non-temporal
+    stores), which fuses the copy and the hash stripe by stripe and leaves ``hasher`` untouched;
+    otherwise each cache-sized piece of the source is hashed just before it is copied: the hash
+    streams the piece from memory into the CPU's cache, where the copy then reads it
+    (``benchmarks/run.py`` measures the cost; a save to LMDB hashes each value on a second
+    thread while LMDB copies it, ``_parallel.HashesAlongside``). The way and the piece size are
+    the process's ``COPY_HASH_WAY``, chosen by timing its first verified values. Every way
+    releases the GIL (the native loop, numpy's copy, xxhash), so several threads can run it at
+    once."""
     choice = _copy_ways.COPY_HASH_WAY
     native = _copy_ways.NATIVE_COPY_HASH
     usable = native is not None and _fresh_xxh3(hasher)

@@ -50,7 +50,7 @@ from ._pages import (
     _populate_write,
     _ranks_on_node,
 )
-from ._parallel import HashesAhead, fill
+from ._parallel import HashesAlongside, fill
 from .base import (
     DEFAULT_PART_BYTES,
     BytesLike,
@@ -464,7 +464,7 @@ class LMDBEngine(Engine):
         spare_of: Callable[[str], str] | None = None,
     ) -> None:
         # not reuses_values (spare_of unused): LMDB reuses freed pages by itself
-        hashes = None if on_value is None or hasher is None else HashesAhead(hasher, on_value)
+        hashes = None if on_value is None or hasher is None else HashesAlongside(hasher, on_value)
         batch: list[tuple[bytes, memoryview]] = []
         size = first = 0
         try:
@@ -487,15 +487,13 @@ class LMDBEngine(Engine):
         batch: list[tuple[bytes, memoryview]],
         size: int,
         first: int,
-        hashes: HashesAhead | None,
+        hashes: HashesAlongside | None,
     ) -> None:
         def apply(txn: lmdb.Transaction) -> None:
             # (on a retry, values are hashed again: the last report counts)
-            if hashes is not None:
-                hashes.ahead(first, batch[0][1])
             for j, (k, v) in enumerate(batch):
-                if hashes is not None and j + 1 < len(batch):
-                    hashes.ahead(first + j + 1, batch[j + 1][1])
+                if hashes is not None:
+                    hashes.alongside(first + j, v)
                 txn.put(k, v)
 
         self._write(apply, size + 64 * len(batch))
