@@ -58,6 +58,12 @@ def _gbps(results: dict[str, Any], case: str) -> str:
     return f"{value:.1f}" if value else "-"
 
 
+def _targets(results: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The run's target rows, and those of them it missed."""
+    targets = [r for r in results.get("ratios", []) if r.get("target")]
+    return targets, [r for r in targets if not r["met"]]
+
+
 def row(directory: Path) -> list[str]:
     """The table's row for the run whose files are in ``directory``."""
     results = json.loads((directory / "results.json").read_text())
@@ -65,8 +71,7 @@ def row(directory: Path) -> list[str]:
     for _, cases in _SECONDS:
         medians = [results.get(case, {}).get("median_s") for case in cases]
         seconds.append(" / ".join(f"{m:.2f}" if m is not None else "-" for m in medians))
-    targets = [r for r in results.get("ratios", []) if r.get("target")]
-    missed = [r for r in targets if not r["met"]]
+    targets, missed = _targets(results)
     return [
         f"{results.get('date', '?')[:10]}, `{directory.name}/`",
         str(results.get("cpu", "?")),
@@ -112,19 +117,18 @@ def _ratio(results: dict[str, Any], metric: str, form: str) -> str:
     """The run's ratio named ``metric`` (its name less the kind in parentheses), or "-"."""
     for r in results.get("ratios", []):
         if re.sub(r" \([^()]*\)$", "", r["metric"]) == metric:
-            return str(form.format(r["value"]))
+            return form.format(r["value"])
     return "-"
 
 
 def summary_row(directory: Path) -> list[str]:
     """The summary's row for the run whose files are in ``directory``."""
     results = json.loads((directory / "results.json").read_text())
-    targets = [r for r in results.get("ratios", []) if r.get("target")]
-    met = sum(1 for r in targets if r["met"])
+    targets, missed = _targets(results)
     return [
         f"{results.get('cpu', '?')}, {results.get('date', '?')[:10]}, `{directory.name}/`",
         *(" / ".join(_ratio(results, m, form) for m, form in cells) for _, cells in _SUMMARY),
-        f"{met} of {len(targets)}",
+        f"{len(targets) - len(missed)} of {len(targets)}",
     ]
 
 
