@@ -4,13 +4,13 @@ its checksum.
 An LMDB load copies each value out of the memory map on two threads (alternate values). A
 verified load also hashes it with xxh3, in one of the ways each process chooses among by timing
 (``kvckpt.engines._copy_ways``): kvckpt's native loop, with ordinary stores or with
-non-temporal ones, or python-xxhash hashing a piece that numpy then copies while it is still in
-the cache. An unverified load copies with numpy or with the native non-temporal copy. This runs
-every way over the same 1 GiB, two threads taking alternate 4 MiB values into memory already in
-use (as a load copies into tensors that exist); the ways take turns, round by round. It prints
-each way's median, p90 and slowest round, and each verified way's median as extra time over
-each unverified copy's (the checksum cost ``benchmarks/run.py`` reports is the chosen verified
-way's over the chosen unverified way's).
+non-temporal ones, prefetching the source ahead or not, or python-xxhash hashing a piece that
+numpy then copies while it is still in the cache. An unverified load copies with numpy or
+with the native non-temporal copy. This runs every way over the same 1 GiB, two threads taking
+alternate 4 MiB values into memory already in use (as a load copies into tensors that exist);
+the ways take turns, round by round. It prints each way's median, p90 and slowest round, and
+each verified way's median as extra time over each unverified copy's (the checksum cost
+``benchmarks/run.py`` reports is the chosen verified way's over the chosen unverified way's).
 
 It needs kvckpt installed with its native loop (``pip install -e .`` where a C compiler is):
 
@@ -36,6 +36,13 @@ from timing import p90, threads_seconds
 from kvckpt.engines import _copy_ways
 
 _VALUE = 4 << 20
+#: How the rows name each way of the native loop.
+_NATIVE_NAMES = {
+    _copy_ways.NATIVE: "native",
+    _copy_ways.NATIVE_STREAM: "native, non-temporal stores",
+    _copy_ways.NATIVE_NO_PREFETCH: "native, no prefetch",
+    _copy_ways.NATIVE_STREAM_NO_PREFETCH: "native, non-temporal stores, no prefetch",
+}
 
 
 def _two_threads(total: int, step: Callable[[int], object]) -> float:
@@ -81,10 +88,12 @@ def main() -> None:
     verified: dict[str, Callable[[int], object]] = {
         f"copy and hash, {p >> 10} KiB pieces": pieces(p) for p in _copy_ways.PIECES
     }
-    verified["copy and hash, native"] = lambda at: copy_hash(view(dst, at), view(src, at))
-    verified["copy and hash, native, non-temporal stores"] = lambda at: copy_hash(
-        view(dst, at), view(src, at), True
-    )
+    for way, (stream, prefetch) in _copy_ways.NATIVE_WAYS.items():
+        verified[f"copy and hash, {_NATIVE_NAMES[way]}"] = functools.partial(
+            lambda at, stream, prefetch: copy_hash(view(dst, at), view(src, at), stream, prefetch),
+            stream=stream,
+            prefetch=prefetch,
+        )
     for step in verified.values():  # every way copies and hashes right
         for at in (0, total - _VALUE):
             dst[at : at + _VALUE] = 0
@@ -103,8 +112,9 @@ def main() -> None:
         f"{args.size_mib} MiB, two threads, {args.rounds} rounds taking turns;"
         f" load average {load} at the start; extra time over each unverified copy"
     )
+    width = max(map(len, times))
     print(
-        f"{'way':44} {'median':>9} {'GB/s':>6} {'p90':>9} {'slowest':>9}"
+        f"{'way':{width}} {'median':>9} {'GB/s':>6} {'p90':>9} {'slowest':>9}"
         f" {'vs numpy':>9} {'vs NT':>7}"
     )
     for name, seconds in times.items():
@@ -114,7 +124,7 @@ def main() -> None:
             f" {m / base['copy (native, non-temporal stores)'] - 1:+7.3f}"
         )
         print(
-            f"{name:44} {m * 1e3:7.1f}ms {total / m / 1e9:6.2f} {p90(seconds) * 1e3:7.1f}ms"
+            f"{name:{width}} {m * 1e3:7.1f}ms {total / m / 1e9:6.2f} {p90(seconds) * 1e3:7.1f}ms"
             f" {max(seconds) * 1e3:7.1f}ms{over}"
         )
 

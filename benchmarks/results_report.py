@@ -32,6 +32,8 @@ def machine_line(r: dict[str, Any]) -> str:
 _WAYS = {
     "native": "native loop",
     "native-stream": "native loop, non-temporal stores",
+    "native-no-prefetch": "native loop, no prefetch",
+    "native-stream-no-prefetch": "native loop, non-temporal stores, no prefetch",
     "memcpy": "numpy's copy",
     "stream": "native copy, non-temporal stores",
 }

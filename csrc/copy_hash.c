@@ -11,8 +11,12 @@
 #define XXH_INLINE_ALL
 #include "xxhash.h"
 
-uint64_t kvckpt_copy_hash_avx2(uint8_t *out, const uint8_t *in, size_t len, int stream);
-uint64_t kvckpt_copy_hash_generic(uint8_t *out, const uint8_t *in, size_t len, int stream);
+/* flags: COPY_HASH_STREAM writes with non-temporal stores, COPY_HASH_PREFETCH_AHEAD prefetches
+ * the source ahead (copy_hash_kernel.h). */
+#define COPY_HASH_STREAM 1
+#define COPY_HASH_PREFETCH_AHEAD 2
+uint64_t kvckpt_copy_hash_avx2(uint8_t *out, const uint8_t *in, size_t len, int flags);
+uint64_t kvckpt_copy_hash_generic(uint8_t *out, const uint8_t *in, size_t len, int flags);
 void kvckpt_stream_copy_avx2(uint8_t *out, const uint8_t *in, size_t len);
 void kvckpt_stream_copy_generic(uint8_t *out, const uint8_t *in, size_t len);
 extern int kvckpt_copy_hash_avx2_built;
@@ -48,15 +52,17 @@ static int usable_buffers(const char *name, Py_buffer *dst, Py_buffer *src) {
 
 static PyObject *copy_hash(PyObject *self, PyObject *args) {
     Py_buffer dst, src;
-    int stream = 0;
-    if (!PyArg_ParseTuple(args, "w*y*|p:copy_hash", &dst, &src, &stream))
+    int stream = 0, prefetch = 1;
+    if (!PyArg_ParseTuple(args, "w*y*|pp:copy_hash", &dst, &src, &stream, &prefetch))
         return NULL;
+    int const flags =
+        (stream ? COPY_HASH_STREAM : 0) | (prefetch ? COPY_HASH_PREFETCH_AHEAD : 0);
     if (!usable_buffers("copy_hash", &dst, &src))
         return NULL;
     uint64_t digest;
     Py_BEGIN_ALLOW_THREADS
     digest = copy_hash_impl((uint8_t *)dst.buf, (const uint8_t *)src.buf, (size_t)src.len,
-                            stream);
+                            flags);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
@@ -78,8 +84,9 @@ static PyObject *stream_copy(PyObject *self, PyObject *args) {
 }
 
 /* The kernel must give XXH3_64bits of every length class (short, mid, one block, blocks with
- * a partial tail, exact blocks) and copy every byte, with either kind of store and a
- * destination at any alignment. A kernel that does not is not used. */
+ * a partial tail, exact blocks) and copy every byte, with either kind of store, with and
+ * without prefetching, and a destination at any alignment. A kernel that does not is not
+ * used. */
 static int kernel_agrees(copy_hash_fn fn, stream_copy_fn copy) {
     static const size_t lengths[] = {0, 1, 17, 129, 240, 241, 1023, 1024, 1025, 2048,
                                      4096 + 63, 9000, 16384, 65536 + 7};
@@ -90,10 +97,10 @@ static int kernel_agrees(copy_hash_fn fn, stream_copy_fn copy) {
         src[i] = (uint8_t)(i * 2654435761u >> 13);
     for (size_t k = 0; ok && k < sizeof lengths / sizeof lengths[0]; k++) {
         size_t n = lengths[k];
-        for (int stream = 0; ok && stream < 2; stream++)
+        for (int flags = 0; ok && flags < 4; flags++)
             for (size_t shift = 0; ok && shift < 64; shift += 13) {
                 memset(dst, 0, most + 64);
-                ok = fn(dst + shift, src, n, stream) == XXH3_64bits(src, n) &&
+                ok = fn(dst + shift, src, n, flags) == XXH3_64bits(src, n) &&
                      memcmp(dst + shift, src, n) == 0;
             }
         for (size_t shift = 0; ok && shift < 64; shift += 13) {
@@ -113,9 +120,10 @@ static PyObject *kernel(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"copy_hash", copy_hash, METH_VARARGS,
-     "copy_hash(dst, src, stream=False) -> int: copy src into dst (same size, not overlapping) "
-     "and return XXH3-64 (seed 0) of the bytes, reading memory once; with stream, write dst "
-     "with non-temporal stores. Releases the GIL."},
+     "copy_hash(dst, src, stream=False, prefetch=True) -> int: copy src into dst (same size, "
+     "not overlapping) and return XXH3-64 (seed 0) of the bytes, reading memory once; with "
+     "stream, write dst with non-temporal stores; with prefetch, prefetch src ahead. Releases "
+     "the GIL."},
     {"stream_copy", stream_copy, METH_VARARGS,
      "stream_copy(dst, src) -> None: copy src into dst (same size, not overlapping) with "
      "non-temporal stores. Releases the GIL."},

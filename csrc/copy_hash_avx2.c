@@ -10,8 +10,8 @@
 #define COPY_HASH_FN copy_hash_avx2_impl
 #include "copy_hash_kernel.h"
 
-uint64_t kvckpt_copy_hash_avx2(uint8_t *out, const uint8_t *in, size_t len, int stream) {
-    return copy_hash_avx2_impl(out, in, len, stream);
+uint64_t kvckpt_copy_hash_avx2(uint8_t *out, const uint8_t *in, size_t len, int flags) {
+    return copy_hash_avx2_impl(out, in, len, flags);
 }
 void kvckpt_stream_copy_avx2(uint8_t *out, const uint8_t *in, size_t len) {
     copy_stream(out, in, len);
@@ -21,8 +21,8 @@ int kvckpt_copy_hash_avx2_built = 1;
 #else
 #include <stddef.h>
 #include <stdint.h>
-uint64_t kvckpt_copy_hash_avx2(uint8_t *out, const uint8_t *in, size_t len, int stream) {
-    (void)out, (void)in, (void)len, (void)stream;
+uint64_t kvckpt_copy_hash_avx2(uint8_t *out, const uint8_t *in, size_t len, int flags) {
+    (void)out, (void)in, (void)len, (void)flags;
     return 0;
 }
 void kvckpt_stream_copy_avx2(uint8_t *out, const uint8_t *in, size_t len) {

@@ -10,8 +10,8 @@
 #define COPY_HASH_FN copy_hash_generic_impl
 #include "copy_hash_kernel.h"
 
-uint64_t kvckpt_copy_hash_generic(uint8_t *out, const uint8_t *in, size_t len, int stream) {
-    return copy_hash_generic_impl(out, in, len, stream);
+uint64_t kvckpt_copy_hash_generic(uint8_t *out, const uint8_t *in, size_t len, int flags) {
+    return copy_hash_generic_impl(out, in, len, flags);
 }
 void kvckpt_stream_copy_generic(uint8_t *out, const uint8_t *in, size_t len) {
     copy_stream(out, in, len);

@@ -23,7 +23,10 @@ from kvckpt.engines._copy_ways import (
     MEMCPY,
     MIN_TIMED_BYTES,
     NATIVE,
+    NATIVE_NO_PREFETCH,
     NATIVE_STREAM,
+    NATIVE_STREAM_NO_PREFETCH,
+    NATIVE_WAYS,
     PIECES,
     STREAM,
     STREAM_MIN_BYTES,
@@ -151,7 +154,8 @@ def test_the_native_loop_is_built_and_a_candidate_where_a_compiler_is() -> None:
     assert _copy_ways.NATIVE_COPY_HASH is not None, (
         "kvckpt.engines._copy_hash is not built: reinstall with `pip install -e .`"
     )
-    assert (NATIVE, NATIVE_STREAM, *PIECES) == _copy_ways.CANDIDATES
+    native = (NATIVE, NATIVE_STREAM, NATIVE_NO_PREFETCH, NATIVE_STREAM_NO_PREFETCH)
+    assert (*native, *PIECES) == _copy_ways.CANDIDATES
     assert (MEMCPY, STREAM) == _copy_ways.COPY_CANDIDATES
 
 
@@ -166,16 +170,18 @@ def test_the_native_loop_is_built_and_a_candidate_where_a_compiler_is() -> None:
     offset=st.integers(0, 63),
     dest_offset=st.integers(0, 63),
     stream=st.booleans(),
+    prefetch=st.booleans(),
 )
 def test_the_native_loop_copies_and_gives_xxh3_of_any_length_and_alignment(
-    n: int, offset: int, dest_offset: int, stream: bool
+    n: int, offset: int, dest_offset: int, stream: bool, prefetch: bool
 ) -> None:
     """With ordinary stores and with non-temporal ones, whose aligned middle and unaligned ends
-    of each block take different paths."""
+    of each block take different paths; prefetching the source ahead or not."""
     native = native_or_skip()
     src = np.random.default_rng(n).integers(0, 256, n + 64, dtype=np.uint8)[offset : offset + n]
     dest = np.zeros(n + 64, dtype=np.uint8)[dest_offset : dest_offset + n]
-    assert native(memoryview(dest), memoryview(src), stream) == xxhash.xxh3_64_intdigest(src)
+    digest = native(memoryview(dest), memoryview(src), stream, prefetch)
+    assert digest == xxhash.xxh3_64_intdigest(src)
     assert np.array_equal(dest, src)
 
 
@@ -282,22 +288,29 @@ def test_copy_and_hash_falls_back_to_pieces_for_a_hasher_the_native_loop_cannot_
     assert np.array_equal(dest, src)
 
 
-def test_copy_and_hash_uses_the_native_loop_once_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("way", list(NATIVE_WAYS))
+def test_copy_and_hash_uses_the_native_loop_once_chosen(
+    way: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each way of the loop runs it with its own stores and prefetch."""
     native_or_skip()
     calls = []
     real = _copy_ways.NATIVE_COPY_HASH
     assert real is not None
 
-    def counted(dest: memoryview, src: memoryview, stream: bool = False) -> int:
-        calls.append(src.nbytes)
-        return real(dest, src, stream)
+    def counted(
+        dest: memoryview, src: memoryview, stream: bool = False, prefetch: bool = True
+    ) -> int:
+        calls.append((src.nbytes, stream, prefetch))
+        return real(dest, src, stream, prefetch)
 
     monkeypatch.setattr(_copy_ways, "NATIVE_COPY_HASH", counted)
-    monkeypatch.setattr(_copy_ways, "COPY_HASH_WAY", TimedChoice((NATIVE,)))
+    monkeypatch.setattr(_copy_ways, "COPY_HASH_WAY", TimedChoice((way,)))
     src = np.random.default_rng(3).integers(0, 256, 5 << 20, dtype=np.uint8)
     dest = np.zeros_like(src)
     digest = base.copy_and_hash(memoryview(dest), memoryview(src), xxhash.xxh3_64())
-    assert digest == xxhash.xxh3_64_intdigest(src) and calls == [5 << 20]
+    assert digest == xxhash.xxh3_64_intdigest(src)
+    assert calls == [(5 << 20, *NATIVE_WAYS[way])]
     assert np.array_equal(dest, src)
 
 
@@ -342,9 +355,11 @@ def test_the_streaming_way_writes_large_values_with_non_temporal_stores_and_smal
     assert real_hash is not None and real_copy is not None
     streamed: list[bool] = []
 
-    def counted_hash(dest: memoryview, src: memoryview, stream: bool = False) -> int:
+    def counted_hash(
+        dest: memoryview, src: memoryview, stream: bool = False, prefetch: bool = True
+    ) -> int:
         streamed.append(stream)
-        return real_hash(dest, src, stream)
+        return real_hash(dest, src, stream, prefetch)
 
     def counted_copy(dest: memoryview, src: memoryview) -> None:
         streamed.append(True)

@@ -10,6 +10,8 @@ read twice; done together, once. There are three ways to do it together:
 - **native-stream**: the same loop writing with non-temporal stores, which skip reading each
   destination line into the cache before writing it: a third less memory traffic for a copy
   that waits on memory.
+- **native-no-prefetch**, **native-stream-no-prefetch**: the same two without prefetching the
+  source, for CPUs whose own prefetcher does better alone.
 - **pieces**: python-xxhash hashes a piece of the value, numpy copies it while it is still in
   the CPU's cache. The best piece size depends on the CPU's caches and on how fast it copies
   and hashes.
@@ -48,10 +50,19 @@ _KIB = 1024
 
 #: A way to copy (and hash): a piece size in bytes, or one of the names below.
 Way = int | str
-#: The compiled loop, as a candidate for verified copies; and the same writing with
-#: non-temporal stores.
+#: The compiled loop, as a candidate for verified copies; the same writing with non-temporal
+#: stores; and both without prefetching the source ahead.
 NATIVE = "native"
 NATIVE_STREAM = "native-stream"
+NATIVE_NO_PREFETCH = "native-no-prefetch"
+NATIVE_STREAM_NO_PREFETCH = "native-stream-no-prefetch"
+#: How each way of the compiled loop runs it: (non-temporal stores, prefetch ahead).
+NATIVE_WAYS: dict[str, tuple[bool, bool]] = {
+    NATIVE: (False, True),
+    NATIVE_STREAM: (True, True),
+    NATIVE_NO_PREFETCH: (False, False),
+    NATIVE_STREAM_NO_PREFETCH: (True, False),
+}
 #: The candidates for unverified copies: numpy's copy, and the compiled non-temporal copy.
 MEMCPY = "memcpy"
 STREAM = "stream"
@@ -63,7 +74,9 @@ STREAM_MIN_BYTES = 1024 * _KIB
 class NativeCopyHash(Protocol):
     """``_copy_hash.copy_hash``: copy ``src`` into ``dst`` and return XXH3-64 of the bytes."""
 
-    def __call__(self, dst: memoryview, src: memoryview, stream: bool = False, /) -> int: ...
+    def __call__(
+        self, dst: memoryview, src: memoryview, stream: bool = False, prefetch: bool = True, /
+    ) -> int: ...
 
 
 class NativeCopy(Protocol):
@@ -77,7 +90,7 @@ _OFF = ("0", "false", "no", "off")
 
 
 def _load_native() -> tuple[NativeCopyHash | None, NativeCopy | None, str]:
-    """The compiled ``copy_hash(dst, src, stream=False) -> digest`` and
+    """The compiled ``copy_hash(dst, src, stream=False, prefetch=True) -> digest`` and
     ``stream_copy(dst, src)``, or None where they are not built, are turned off
     (``KVCKPT_NATIVE_COPY_HASH=0``), or disagree with python-xxhash or with the source; and
     which, in words (``kvckpt --version`` prints them)."""
@@ -93,11 +106,10 @@ def _load_native() -> tuple[NativeCopyHash | None, NativeCopy | None, str]:
         expected = xxhash.xxh3_64_intdigest(src[:n].data)
         for shift in (0, 3, 32):  # the destination's alignment: streaming stores care
             dst = out[shift : shift + n]
-            for stream in (False, True):
+            for stream, prefetch in NATIVE_WAYS.values():
                 dst[:] = 0
-                if copy_hash(dst.data, src[:n].data, stream) != expected or not np.array_equal(
-                    dst, src[:n]
-                ):
+                digest = copy_hash(dst.data, src[:n].data, stream, prefetch)
+                if digest != expected or not np.array_equal(dst, src[:n]):
                     return None, None, "built but disagrees with python-xxhash, so unused"
             dst[:] = 0
             stream_copy(dst.data, src[:n].data)
@@ -116,9 +128,7 @@ NATIVE_COPY_HASH, NATIVE_STREAM_COPY, NATIVE_STATUS = _load_native()
 #: or more.
 PIECES = (256 * _KIB, 512 * _KIB, 1024 * _KIB, 2048 * _KIB)
 #: Every way a verified copy tries in this process.
-CANDIDATES: tuple[Way, ...] = (
-    (NATIVE, NATIVE_STREAM) if NATIVE_COPY_HASH is not None else ()
-) + PIECES
+CANDIDATES: tuple[Way, ...] = (tuple(NATIVE_WAYS) if NATIVE_COPY_HASH is not None else ()) + PIECES
 #: Every way an unverified copy tries in this process.
 COPY_CANDIDATES: tuple[Way, ...] = (MEMCPY, STREAM) if NATIVE_STREAM_COPY is not None else (MEMCPY,)
 #: The way a verified copy uses before the choice is made, and for values too small to time.

@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 
 from . import _copy_ways
-from ._copy_ways import NATIVE, NATIVE_STREAM, STREAM, STREAM_MIN_BYTES
+from ._copy_ways import NATIVE, NATIVE_WAYS, STREAM, STREAM_MIN_BYTES
 
 #: Anything with the buffer protocol that kvckpt hands to an engine as a value.
 BytesLike = bytes | bytearray | memoryview
@@ -65,10 +65,11 @@ _HASH_PIECE = 1024 * 1024
 def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher) -> int:
     """Copy ``src`` into ``dest`` and return the digest of its bytes, fed to ``hasher``, in one
     pass over memory instead of two. A fresh xxh3 hasher (the format's checksum) may be replaced
-    by the compiled loop (``_copy_ways.NATIVE``, or ``NATIVE_STREAM`` writing with non-temporal
-    stores), which fuses the copy and the hash stripe by stripe and leaves ``hasher`` untouched;
-    otherwise each cache-sized piece of the source is hashed just before it is copied: the hash
-    streams the piece from memory into the CPU's cache, where the copy then reads it
+    by the compiled loop (``_copy_ways.NATIVE_WAYS``: with ordinary or non-temporal stores,
+    prefetching the source ahead or not), which fuses the copy and the hash stripe by stripe
+    and leaves ``hasher`` untouched; otherwise each cache-sized piece of the source is hashed
+    just before it is copied: the hash streams the piece from memory into the CPU's cache,
+    where the copy then reads it
     (``benchmarks/run.py`` measures the cost; a save to LMDB hashes each value on a second
     thread while LMDB copies it, ``_parallel.HashesAlongside``). The way and the piece size are
     the process's ``COPY_HASH_WAY``, chosen by timing its first verified values. Every way
@@ -81,11 +82,12 @@ def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher) -> int:
     # would go unrecorded and the choice would never be made.
     timed = choice.trial(src.nbytes) if usable or NATIVE not in choice.candidates else None
     way = timed or choice.way()
-    if way in (NATIVE, NATIVE_STREAM) and not usable:
+    if way in NATIVE_WAYS and not usable:
         way = _copy_ways.DEFAULT
     started = time.perf_counter()
-    if way in (NATIVE, NATIVE_STREAM) and native is not None:  # (usable: it is not None)
-        digest = native(dest, src, way == NATIVE_STREAM and src.nbytes >= STREAM_MIN_BYTES)
+    if way in NATIVE_WAYS and native is not None:  # (usable: it is not None)
+        stream, prefetch = NATIVE_WAYS[str(way)]
+        digest = native(dest, src, stream and src.nbytes >= STREAM_MIN_BYTES, prefetch)
     else:
         out, into = np.frombuffer(dest, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8)
         size = int(way)
