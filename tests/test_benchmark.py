@@ -249,6 +249,18 @@ def test_many_items_smoke_run(tmp_path) -> None:
     assert "decode / DCP unpickle" in (out / "many_items.md").read_text()
 
 
+def test_first_load_smoke_run(tmp_path) -> None:
+    out = tmp_path / "results"
+    result = run_benchmark(
+        "first_load.py", *("--size-mib", "4", "--rounds", "2", "--out", str(out))
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    doc = json.loads((out / "first_load.json").read_text())
+    assert set(doc["results"]) == {"kvckpt LMDB, /dev/shm", "DCP FileSystemReader, /dev/shm"}
+    assert all(len(c["first"]) == len(c["second"]) == 2 for c in doc["results"].values())
+    assert "first load in a new process" in (out / "first_load.md").read_text()
+
+
 def test_gpu_benchmark_without_a_gpu_says_so() -> None:
     import torch
 
