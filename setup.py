@@ -16,7 +16,12 @@ setup(
                 "csrc/copy_hash_generic.c",
             ],
             include_dirs=["vendor/xxhash", "csrc"],
-            depends=["csrc/copy_hash_kernel.h", "csrc/copy_stream.h", "vendor/xxhash/xxhash.h"],
+            depends=[
+                "csrc/copy_hash_flags.h",
+                "csrc/copy_hash_kernel.h",
+                "csrc/copy_stream.h",
+                "vendor/xxhash/xxhash.h",
+            ],
             extra_compile_args=["-O3"],
             optional=True,
         )

@@ -11,10 +11,8 @@
 #define XXH_INLINE_ALL
 #include "xxhash.h"
 
-/* flags: COPY_HASH_STREAM writes with non-temporal stores, COPY_HASH_PREFETCH_AHEAD prefetches
- * the source ahead (copy_hash_kernel.h). */
-#define COPY_HASH_STREAM 1
-#define COPY_HASH_PREFETCH_AHEAD 2
+#include "copy_hash_flags.h"
+
 uint64_t kvckpt_copy_hash_avx2(uint8_t *out, const uint8_t *in, size_t len, int flags);
 uint64_t kvckpt_copy_hash_generic(uint8_t *out, const uint8_t *in, size_t len, int flags);
 void kvckpt_stream_copy_avx2(uint8_t *out, const uint8_t *in, size_t len);

@@ -13,21 +13,20 @@
  *
  * The copy goes out one of two ways. With ordinary stores each destination line is read into
  * the cache before it is written, so where the source is prefetched it is too. With
- * non-temporal stores (COPY_HASH_STREAM in the flags) the lines are written around the cache without that
- * read: a third less memory traffic, which on a CPU whose copy waits on memory takes the
- * hash's cost off, but the destination is not left in the cache (kvckpt streams only values
- * far larger than a core's cache, where nothing would be left anyway). The result equals
+ * non-temporal stores (COPY_HASH_STREAM in the flags) the lines are written around the cache
+ * without that read: a third less memory traffic, which on a CPU whose copy waits on memory
+ * takes the hash's cost off, but the destination is not left in the cache (kvckpt streams only
+ * values far larger than a core's cache, where nothing would be left anyway). The result equals
  * XXH3_64bits(src, len) either way; the module checks that against its own reference when it
  * loads (copy_hash.c) and kvckpt against python-xxhash before it uses it. */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "copy_hash_flags.h"
+
 #define COPY_HASH_PREFETCH 8192
 
-/* The flags of COPY_HASH_FN (the module's own, copy_hash.c, say the same). */
-#define COPY_HASH_STREAM 1
-#define COPY_HASH_PREFETCH_AHEAD 2
 
 /* How a block's copy goes out. */
 enum { STORE_ORDINARY, STORE_STREAM_STRIPES, STORE_STREAM_BLOCK };
