@@ -31,18 +31,12 @@ import torch
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).parent))
+from results_report import way_name
 from timing import p90, threads_seconds
 
 from kvckpt.engines import _copy_ways
 
 _VALUE = 4 << 20
-#: How the rows name each way of the native loop.
-_NATIVE_NAMES = {
-    _copy_ways.NATIVE: "native",
-    _copy_ways.NATIVE_STREAM: "native, non-temporal stores",
-    _copy_ways.NATIVE_NO_PREFETCH: "native, no prefetch",
-    _copy_ways.NATIVE_STREAM_NO_PREFETCH: "native, non-temporal stores, no prefetch",
-}
 
 
 def _two_threads(total: int, step: Callable[[int], object]) -> float:
@@ -89,10 +83,8 @@ def main() -> None:
         f"copy and hash, {p >> 10} KiB pieces": pieces(p) for p in _copy_ways.PIECES
     }
     for way, (stream, prefetch) in _copy_ways.NATIVE_WAYS.items():
-        verified[f"copy and hash, {_NATIVE_NAMES[way]}"] = functools.partial(
-            lambda at, stream, prefetch: copy_hash(view(dst, at), view(src, at), stream, prefetch),
-            stream=stream,
-            prefetch=prefetch,
+        verified[f"copy and hash, {way_name(way)}"] = lambda at, s=stream, p=prefetch: copy_hash(
+            view(dst, at), view(src, at), s, p
         )
     for step in verified.values():  # every way copies and hashes right
         for at in (0, total - _VALUE):

@@ -29,7 +29,8 @@ def machine_line(r: dict[str, Any]) -> str:
     return r["machine"] if cpu in r["machine"] else f"{cpu}; {r['machine']}"
 
 
-_WAYS = {
+#: How reports name each copy way of ``kvckpt.engines._copy_ways`` (and ``way_name``).
+WAY_NAMES = {
     "native": "native loop",
     "native-stream": "native loop, non-temporal stores",
     "native-no-prefetch": "native loop, no prefetch",
@@ -39,16 +40,17 @@ _WAYS = {
 }
 
 
-def _way(c: int | str) -> str:
-    return _WAYS.get(str(c)) or f"{int(c) // 1024} KiB pieces"
+def way_name(c: int | str) -> str:
+    """A copy way in words: its name, or its piece size."""
+    return WAY_NAMES.get(str(c)) or f"{int(c) // 1024} KiB pieces"
 
 
 def _choice_line(what: str, way: dict[str, Any]) -> str:
-    timed = ", ".join(f"{_way(c)} {ms:.0f}" for c, ms in way["ms_per_gib"].items())
+    timed = ", ".join(f"{way_name(c)} {ms:.0f}" for c, ms in way["ms_per_gib"].items())
     if way["chosen"] is None:
         chosen = "not chosen (too few values of a default part or more to time)"
     else:
-        chosen = _way(way["chosen"])
+        chosen = way_name(way["chosen"])
     return f"- {what}, chosen by timing the run's first loads: {chosen}" + (
         f" (medians, ms per GiB on one thread: {timed})" if timed else ""
     )

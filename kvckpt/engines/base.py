@@ -69,12 +69,11 @@ def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher) -> int:
     prefetching the source ahead or not), which fuses the copy and the hash stripe by stripe
     and leaves ``hasher`` untouched; otherwise each cache-sized piece of the source is hashed
     just before it is copied: the hash streams the piece from memory into the CPU's cache,
-    where the copy then reads it
-    (``benchmarks/run.py`` measures the cost; a save to LMDB hashes each value on a second
-    thread while LMDB copies it, ``_parallel.HashesAlongside``). The way and the piece size are
-    the process's ``COPY_HASH_WAY``, chosen by timing its first verified values. Every way
-    releases the GIL (the native loop, numpy's copy, xxhash), so several threads can run it at
-    once."""
+    where the copy then reads it (``benchmarks/run.py`` measures the cost; a save to LMDB
+    hashes each value on a second thread while LMDB copies it, ``_parallel.HashesAlongside``).
+    The way and the piece size are the process's ``COPY_HASH_WAY``, chosen by timing its first
+    verified values. Every way releases the GIL (the native loop, numpy's copy, xxhash), so
+    several threads can run it at once."""
     choice = _copy_ways.COPY_HASH_WAY
     native = _copy_ways.NATIVE_COPY_HASH
     usable = native is not None and _fresh_xxh3(hasher)
