@@ -16,8 +16,11 @@ The cases take turns, each round starting one case further along. Each process a
 touches its destination tensors (as a restarted job builds its model) before the timed load;
 the interpreter's start and imports are not timed.
 
-    python benchmarks/first_load.py --huge-tmpfs /tmp/hugews --out docs/benchmark   # ~2 min
-    python benchmarks/first_load.py --size-mib 8 --rounds 1                        # smoke
+    python benchmarks/first_load.py --huge-tmpfs /tmp/hugews --out DIR   # ~3 min
+    python benchmarks/first_load.py --size-mib 8 --rounds 1            # smoke
+
+A published run goes into the directory of ``benchmarks/run.py``'s run on the same VM
+(``docs/benchmark/<cpu>-<date>-<time>/``).
 
 Check ``/proc/loadavg`` first: the machine must be otherwise idle.
 """
