@@ -80,7 +80,7 @@ def row(directory: Path) -> list[str]:
         _gbps(results, "checksum_from_cache"),
         *seconds,
         f"{len(targets) - len(missed)} of {len(targets)}",
-        "; ".join(f"{short_name(r['metric'])} {r['value']:.3g}" for r in missed) or "none",
+        "; ".join(f"{short_name(r['metric'])} {r['value']:#.3g}" for r in missed) or "none",
     ]
 
 
