@@ -3,9 +3,10 @@
 A load from LMDB is a memory copy, and checking a checksum on the same thread is a second pass
 over the bytes: together they nearly double the load. Both release the GIL (numpy's copy,
 xxhash's update), so two threads each hash-and-copy half of the values, and a load that
-verifies takes about as long as one copy on one thread. A save cannot split LMDB's copy (one
-write transaction, one thread), so a second thread hashes each part while LMDB copies it
-(``HashesAlongside``): the two read the same bytes at about the same time, and whichever is
+verifies takes about as long as one copy on one thread. A save into room LMDB reserved in its
+map is the same copy the other way (``fill``). Where LMDB copies a value itself, inside its
+put (one write transaction, one thread), a second thread hashes each part while LMDB copies
+it (``HashesAlongside``): the two read the same bytes at about the same time, and whichever is
 behind finds them in the CPU cache.
 
 Threads are started per call rather than pooled: a pool inherited across ``fork`` keeps the
@@ -98,16 +99,16 @@ class HashesAlongside:
     and a queue per save, not a future per part, whose cost would rival the hashing's."""
 
     def __init__(self, hasher: Callable[[], Hasher], on_value: ValueCallback) -> None:
-        self._hasher = hasher
-        self._on_value = on_value
+        self.hasher = hasher
+        self.on_value = on_value
         self._queue: SimpleQueue[tuple[int, memoryview] | None] = SimpleQueue()
         self._thread: threading.Thread | None = None
         self._failure: list[BaseException] = []
 
     def _report(self, i: int, value: memoryview) -> None:
-        h = self._hasher()
+        h = self.hasher()
         h.update(value)
-        self._on_value(i, h.intdigest())
+        self.on_value(i, h.intdigest())
 
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:

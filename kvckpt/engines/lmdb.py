@@ -40,6 +40,7 @@ from ..urls import (
     take_option,
     validate_prefix,
 )
+from . import _lmdb_reserve
 from ._lmdb_env import _SharedEnv
 from ._pages import (
     _POPULATE_MIN_PIECE,
@@ -79,18 +80,24 @@ _GIB = 1 << 30
 #: URL option ``txn_bytes``.
 _TXN_BYTES = 1 * _GIB
 _DELETE_BATCH = 10_000
+#: Values this large are written into room reserved in the map (``_lmdb_reserve``), copied and
+#: hashed by kvckpt on two threads; smaller ones go through LMDB's put.
+_RESERVE_MIN_BYTES = 1 * _MIB
 
 
 class LMDBEngine(Engine):
     """``lmdb:///abs/dir[?prefix=NAME&map_size=1GiB&sync=1&writemap=1&part_bytes=4194240
     &txn_bytes=1GiB&read_lease=1]``
 
-    A save into a warm store is one ``memcpy`` per part, inside LMDB. glibc copies a part
-    below its non-temporal threshold (three quarters of the CPU's shared cache) by reading each
-    destination line into the cache before overwriting it; a job whose environment sets
+    A save writes each part of 1 MiB or more into room LMDB reserves for it in the map
+    (``_lmdb_reserve``, with ``writemap``): kvckpt copies and hashes it in one pass, the parts
+    split over two threads, with the copy way timed on the process's first values. Smaller
+    parts, and every part where reserving is not available, are one ``memcpy`` inside LMDB's
+    put, hashed alongside on a second thread. glibc copies a part below its non-temporal
+    threshold (three quarters of the CPU's shared cache) by reading each destination line into
+    the cache before overwriting it; a job whose environment sets
     ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x3fffc0`` (the default part's
-    4194240 bytes: glibc goes around the cache from the threshold up) has those copies skip
-    that read (docs/PERFORMANCE.md measures both).
+    4194240 bytes) has those copies skip that read (docs/PERFORMANCE.md measures both).
     """
 
     shared = False
@@ -464,7 +471,8 @@ class LMDBEngine(Engine):
         spare_of: Callable[[str], str] | None = None,
     ) -> None:
         # not reuses_values (spare_of unused): LMDB reuses freed pages by itself
-        hashes = None if on_value is None or hasher is None else HashesAlongside(hasher, on_value)
+        hashing = on_value is not None and hasher is not None
+        hashes = HashesAlongside(hasher, on_value) if hashing else None  # type: ignore[arg-type]
         batch: list[tuple[bytes, memoryview]] = []
         size = first = 0
         try:
@@ -491,12 +499,57 @@ class LMDBEngine(Engine):
     ) -> None:
         def apply(txn: lmdb.Transaction) -> None:
             # (on a retry, values are hashed again: the last report counts)
+            pointer = self._reserving(txn)
+            reserved: list[tuple[int, memoryview]] = []
             for j, (k, v) in enumerate(batch):
+                if pointer is not None and v.nbytes >= _RESERVE_MIN_BYTES:
+                    reserved.append((j, _lmdb_reserve.reserve(pointer, k, v.nbytes)))
+                    continue
                 if hashes is not None:
                     hashes.alongside(first + j, v)
                 txn.put(k, v)
+            if reserved:
+                self._fill_reserved(txn, batch, reserved, first, hashes)
 
         self._write(apply, size + 64 * len(batch))
+
+    def _reserving(self, txn: lmdb.Transaction) -> int | None:
+        """The transaction's pointer for ``_lmdb_reserve``, where values can be written into
+        the map by kvckpt itself: with ``writemap``, where the reserved pages are the map's."""
+        if not (self._options["writemap"] and _lmdb_reserve.usable()):
+            return None
+        return _lmdb_reserve.txn_pointer(txn)
+
+    def _fill_reserved(
+        self,
+        txn: lmdb.Transaction,
+        batch: list[tuple[bytes, memoryview]],
+        reserved: list[tuple[int, memoryview]],
+        first: int,
+        hashes: HashesAlongside | None,
+    ) -> None:
+        """Copy each reserved value into its room in the map, hashing it in the same pass, the
+        values split over two threads (``fill``)."""
+        sources = [_bytes_view(batch[j][1]) for j, _ in reserved]
+        rooms = [room for _, room in reserved]
+        if hashes is None:
+            fill(sources, rooms, range(len(reserved)), None, None)
+        else:
+            on_value = hashes.on_value
+            fill(
+                sources,
+                rooms,
+                range(len(reserved)),
+                hashes.hasher,
+                lambda i, digest: on_value(first + reserved[i][0], digest),
+            )
+        if not _lmdb_reserve.confirm(txn.get(batch[reserved[0][0]][0]), sources[0]):  # type: ignore[arg-type]
+            # Never seen: LMDB's reserved room did not read back as written. Put every value
+            # the usual way, over what was reserved, and reserve no more in this process.
+            for j, _ in reserved:
+                if hashes is not None:
+                    hashes.alongside(first + j, batch[j][1])
+                txn.put(*batch[j])
 
     def get_many(self, keys: Sequence[str], consume: Consumer) -> None:
         with self._read_txn() as txn:
@@ -583,6 +636,10 @@ def close_idle_environments(path: str | None = None) -> None:
     it is mapped, without unmapping the stores still in use (which would make their next save
     or load fault every page in again)."""
     _SharedEnv.close_idle(path)
+
+
+def _bytes_view(view: memoryview) -> memoryview:
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _rebuild(

@@ -1,0 +1,122 @@
+"""LMDB saves that write large values into room reserved in the map (``_lmdb_reserve``): the
+same bytes and checksums as LMDB's own put, a map that grows mid-save, and the fallbacks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+
+from kvckpt import KVStorageReader, KVStorageWriter
+from kvckpt.engines import _lmdb_reserve
+from kvckpt.engines.lmdb import LMDBEngine
+
+MIB = 1 << 20
+
+pytestmark = pytest.mark.skipif(
+    not _lmdb_reserve.usable(), reason="py-lmdb's put cannot reserve on this platform"
+)
+
+
+def values() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    out = {f"big/{i}": rng.integers(0, 255, 2 * MIB + 8 * i, dtype=np.uint8) for i in range(6)}
+    out["small"] = rng.integers(0, 255, 4096, dtype=np.uint8)
+    out["big/float"] = rng.standard_normal(MIB // 2).astype(np.float32)  # not a byte view
+    return out
+
+
+def save(engine: LMDBEngine, items: dict[str, np.ndarray]) -> dict[str, int]:
+    keys = list(items)
+    digests: dict[str, int] = {}
+    engine.put_many(
+        items.items(),
+        on_value=lambda i, d: digests.__setitem__(keys[i], d),
+        hasher=xxhash.xxh3_64,
+    )
+    return digests
+
+
+def check(engine: LMDBEngine, items: dict[str, np.ndarray], digests: dict[str, int]) -> None:
+    for key, value in items.items():
+        assert engine.get(key) == value.tobytes(), key
+        assert digests[key] == xxhash.xxh3_64(value.tobytes()).intdigest(), key
+
+
+def count_reserves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    sizes: list[int] = []
+    real = _lmdb_reserve.reserve
+
+    def counted(pointer: int, key: bytes, nbytes: int) -> memoryview:
+        sizes.append(nbytes)
+        return real(pointer, key, nbytes)
+
+    monkeypatch.setattr(_lmdb_reserve, "reserve", counted)
+    return sizes
+
+
+def test_large_values_are_written_into_reserved_room(tmp_path: Path, monkeypatch) -> None:
+    sizes = count_reserves(monkeypatch)
+    engine = LMDBEngine(str(tmp_path / "s"))
+    items = values()
+    check(engine, items, save(engine, items))
+    assert sorted(sizes) == sorted(v.nbytes for v in items.values() if v.nbytes >= MIB)
+
+
+def test_the_same_bytes_and_checksums_as_lmdbs_put(tmp_path: Path, monkeypatch) -> None:
+    items = values()
+    reserved = LMDBEngine(str(tmp_path / "reserved"))
+    with_reserve = save(reserved, items)
+    monkeypatch.setattr(_lmdb_reserve, "_lib", None)  # KVCKPT_LMDB_RESERVE=0
+    sizes = count_reserves(monkeypatch)
+    put = LMDBEngine(str(tmp_path / "put"))
+    assert save(put, items) == with_reserve
+    check(put, items, with_reserve)
+    assert sizes == []
+
+
+def test_no_reserving_without_writemap(tmp_path: Path, monkeypatch) -> None:
+    sizes = count_reserves(monkeypatch)
+    engine = LMDBEngine(str(tmp_path / "s"), writemap=False)
+    items = values()
+    check(engine, items, save(engine, items))
+    assert sizes == []
+
+
+def test_a_map_that_fills_mid_save_grows_and_the_save_completes(tmp_path: Path) -> None:
+    engine = LMDBEngine(str(tmp_path / "s"), map_size=4 * MIB)
+    items = values()
+    check(engine, items, save(engine, items))
+
+
+def test_a_reserved_value_that_reads_back_wrong_is_put_again(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(_lmdb_reserve, "_confirmed", None)
+    monkeypatch.setattr(_lmdb_reserve, "confirm", lambda stored, written: False)
+    sizes = count_reserves(monkeypatch)
+    engine = LMDBEngine(str(tmp_path / "s"))
+    items = values()
+    check(engine, items, save(engine, items))
+    assert sizes  # reserved, then put over
+
+
+def test_a_transaction_pointer_is_confirmed_by_lmdb(tmp_path: Path) -> None:
+    engine = LMDBEngine(str(tmp_path / "s"))
+    engine.put_many([("k", b"v")])
+    env = engine._env.env
+    with env.begin(write=True) as txn:
+        assert _lmdb_reserve.txn_pointer(txn) is not None
+    with env.begin() as txn:  # a read transaction's pointer reads the same way; never reserved
+        assert _lmdb_reserve.txn_pointer(txn) is not None
+
+
+def test_a_checkpoint_saved_into_reserved_room_loads_verified(tmp_path: Path) -> None:
+    url = f"lmdb://{tmp_path / 'store'}"
+    state = {"w": torch.randn(1024, 1024), "b": torch.randn(16)}
+    dcp.save(state, storage_writer=KVStorageWriter(url), checkpoint_id="step-1")
+    back = {"w": torch.zeros(1024, 1024), "b": torch.zeros(16)}
+    dcp.load(back, storage_reader=KVStorageReader(url), checkpoint_id="step-1")
+    assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
