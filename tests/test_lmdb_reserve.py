@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lmdb
 import numpy as np
 import pytest
 import torch
@@ -49,13 +50,13 @@ def check(engine: LMDBEngine, items: dict[str, np.ndarray], digests: dict[str, i
 
 def count_reserves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     sizes: list[int] = []
-    real = _lmdb_reserve.reserve
+    real = _lmdb_reserve.Reserver.room
 
-    def counted(pointer: int, key: bytes, nbytes: int) -> memoryview:
+    def counted(self: _lmdb_reserve.Reserver, key: bytes, nbytes: int) -> memoryview:
         sizes.append(nbytes)
-        return real(pointer, key, nbytes)
+        return real(self, key, nbytes)
 
-    monkeypatch.setattr(_lmdb_reserve, "reserve", counted)
+    monkeypatch.setattr(_lmdb_reserve.Reserver, "room", counted)
     return sizes
 
 
@@ -71,7 +72,7 @@ def test_the_same_bytes_and_checksums_as_lmdbs_put(tmp_path: Path, monkeypatch) 
     items = values()
     reserved = LMDBEngine(str(tmp_path / "reserved"))
     with_reserve = save(reserved, items)
-    monkeypatch.setattr(_lmdb_reserve, "_lib", None)  # KVCKPT_LMDB_RESERVE=0
+    monkeypatch.setattr(_lmdb_reserve, "_engines", {})  # KVCKPT_LMDB_RESERVE=0
     sizes = count_reserves(monkeypatch)
     put = LMDBEngine(str(tmp_path / "put"))
     assert save(put, items) == with_reserve
@@ -103,14 +104,20 @@ def test_a_reserved_value_that_reads_back_wrong_is_put_again(tmp_path: Path, mon
     assert sizes  # reserved, then put over
 
 
-def test_a_transaction_pointer_is_confirmed_by_lmdb(tmp_path: Path) -> None:
-    engine = LMDBEngine(str(tmp_path / "s"))
-    engine.put_many([("k", b"v")])
-    env = engine._env.env
+@pytest.mark.parametrize("lib_version", [0, 1])
+def test_each_bundled_lmdb_reserves_with_its_own_functions(tmp_path: Path, lib_version) -> None:
+    """py-lmdb binds an environment to LMDB 0.9 or 1.0, whose transactions differ."""
+    if lib_version not in _lmdb_reserve._engines:
+        pytest.skip(f"this py-lmdb has no LMDB {lib_version}.x")
+    env = lmdb.open(str(tmp_path / "s"), writemap=True, lib_version=lib_version)
+    value = np.arange(MIB, dtype=np.uint8)
     with env.begin(write=True) as txn:
-        assert _lmdb_reserve.txn_pointer(txn) is not None
-    with env.begin() as txn:  # a read transaction's pointer reads the same way; never reserved
-        assert _lmdb_reserve.txn_pointer(txn) is not None
+        reserver = _lmdb_reserve.reserver(env, txn)
+        assert reserver is not None
+        reserver.room(b"k", value.nbytes)[:] = value.data
+    with env.begin() as txn:
+        assert txn.get(b"k") == value.tobytes()
+    env.close()
 
 
 def test_a_checkpoint_saved_into_reserved_room_loads_verified(tmp_path: Path) -> None:

@@ -7,15 +7,17 @@ one pass (``base.copy_and_hash``: the compiled loop, non-temporal stores where t
 values split over two threads (``_parallel.fill``). ``benchmarks/run.py`` times the two ways
 against each other.
 
-py-lmdb has no reserving put. Its extension exports LMDB's own functions (``mdb09_put``), and
-its ``Transaction`` object holds the ``MDB_txn`` pointer those take, at the end of the object
-(``txn``, ``flags``, ``db``, ``mutations``: 32 bytes on 64-bit builds). This module reads
-that pointer and uses it only when LMDB itself confirms it (``mdb09_txn_id`` of it equals
+py-lmdb has no reserving put. Its extension exports the functions of the two LMDBs it
+bundles (0.9 as ``mdb09_*``, 1.0 as ``mdb10_*``, whose structures differ; each environment is
+bound to one, ``Environment.lib_version``), and its ``Transaction`` object holds the
+``MDB_txn`` pointer they take, at the end of the object (``txn``, ``flags``, ``db``,
+``mutations``: 32 bytes on 64-bit builds). This module reads that pointer and uses it only
+when the environment's own LMDB confirms it (its ``txn_id`` of the pointer equals
 ``txn.id()``), and only for an environment opened with ``writemap``, where the pages LMDB
-reserves are the map's own and stay put until the transaction ends. Anything else, an
-unknown py-lmdb, another platform, ``KVCKPT_LMDB_RESERVE=0``, and the engine puts as before.
-A process's first reserved value is read back through py-lmdb and compared with what was
-written before any is trusted (``confirm``).
+reserves are the map's own and stay put until the transaction ends. A process's first
+reserved value is read back through py-lmdb and compared with what was written before any
+more is trusted (``confirm``). Anything else (a py-lmdb without these functions, another
+platform, ``KVCKPT_LMDB_RESERVE=0``) and the engine puts as before.
 """
 
 from __future__ import annotations
@@ -39,62 +41,81 @@ class _Val(ctypes.Structure):
     _fields_ = [("mv_size", ctypes.c_size_t), ("mv_data", ctypes.c_void_p)]
 
 
-def _load() -> Any:
+def _load() -> dict[int, Any]:
+    """Each bundled LMDB's functions, by its major version (py-lmdb bundles LMDB 0.9, symbols
+    ``mdb09_*``, and 1.0, ``mdb10_*``, and binds each environment to one of them)."""
     if os.environ.get("KVCKPT_LMDB_RESERVE", "1").lower() in ("0", "false", "no", "off"):
-        return None
+        return {}
     if sys.platform != "linux" or ctypes.sizeof(ctypes.c_void_p) != 8:
-        return None
+        return {}
     try:
         from lmdb import cpython  # type: ignore[attr-defined]
 
         lib = ctypes.CDLL(cpython.__file__)
-        lib.mdb09_put.argtypes = [
+    except (ImportError, OSError, AttributeError):
+        return {}
+    engines: dict[int, Any] = {}
+    for major, prefix in ((0, "mdb09"), (1, "mdb10")):
+        try:
+            put = getattr(lib, f"{prefix}_put")
+            txn_id = getattr(lib, f"{prefix}_txn_id")
+        except AttributeError:
+            continue
+        put.argtypes = [
             ctypes.c_void_p,
             ctypes.c_uint,
             ctypes.POINTER(_Val),
             ctypes.POINTER(_Val),
             ctypes.c_uint,
         ]
-        lib.mdb09_put.restype = ctypes.c_int
-        lib.mdb09_txn_id.argtypes = [ctypes.c_void_p]
-        lib.mdb09_txn_id.restype = ctypes.c_size_t
-    except (ImportError, OSError, AttributeError):
-        return None
-    return lib
+        put.restype = ctypes.c_int
+        txn_id.argtypes = [ctypes.c_void_p]
+        txn_id.restype = ctypes.c_size_t
+        engines[major] = (put, txn_id)
+    return engines
 
 
-_lib = _load()
+_engines = _load()
 #: None until a process's first reserved value has been read back; then whether it matched.
 _confirmed: bool | None = None
 
 
 def usable() -> bool:
-    return _lib is not None and _confirmed is not False
+    return bool(_engines) and _confirmed is not False
 
 
-def txn_pointer(txn: lmdb.Transaction) -> int | None:
-    """The ``MDB_txn *`` of a py-lmdb write transaction, or None where it cannot be confirmed."""
-    if _lib is None or type(txn) is not lmdb.Transaction:
+class Reserver:
+    """Reserves room for values in one write transaction."""
+
+    def __init__(self, put: Any, pointer: int) -> None:
+        self._put = put
+        self._pointer = pointer
+
+    def room(self, key: bytes, nbytes: int) -> memoryview:
+        """Allocate ``nbytes`` for ``key`` in the transaction and return them, writable. The
+        caller fills them before the transaction commits."""
+        k = _Val(len(key), ctypes.cast(ctypes.c_char_p(key), ctypes.c_void_p))
+        v = _Val(nbytes, None)
+        rc = self._put(self._pointer, _MAIN_DBI, ctypes.byref(k), ctypes.byref(v), _MDB_RESERVE)
+        if rc != 0:
+            raise _error(rc)
+        return memoryview((ctypes.c_char * nbytes).from_address(v.mv_data)).cast("B")
+
+
+def reserver(env: lmdb.Environment, txn: lmdb.Transaction) -> Reserver | None:
+    """A ``Reserver`` for a py-lmdb write transaction of ``env``, or None where the transaction's
+    ``MDB_txn *`` cannot be confirmed by the LMDB that ``env`` is bound to."""
+    if type(txn) is not lmdb.Transaction:
         return None
+    functions = _engines.get(env.lib_version()[0])
+    if functions is None:
+        return None
+    put, txn_id = functions
     offset = type(txn).__basicsize__ - _AFTER_TXN - 8
     pointer = ctypes.c_void_p.from_address(id(txn) + offset).value
-    if not pointer or pointer % 8:
+    if not pointer or pointer % 8 or txn_id(pointer) != txn.id():
         return None
-    if _lib.mdb09_txn_id(pointer) != txn.id():
-        return None
-    return int(pointer)
-
-
-def reserve(pointer: int, key: bytes, nbytes: int) -> memoryview:
-    """Allocate ``nbytes`` for ``key`` in the transaction and return them, writable. The caller
-    fills them before the transaction commits."""
-    assert _lib is not None
-    k = _Val(len(key), ctypes.cast(ctypes.c_char_p(key), ctypes.c_void_p))
-    v = _Val(nbytes, None)
-    rc = _lib.mdb09_put(pointer, _MAIN_DBI, ctypes.byref(k), ctypes.byref(v), _MDB_RESERVE)
-    if rc != 0:
-        raise _error(rc)
-    return memoryview((ctypes.c_char * nbytes).from_address(v.mv_data)).cast("B")
+    return Reserver(put, int(pointer))
 
 
 def confirm(stored: memoryview | None, written: memoryview) -> bool:

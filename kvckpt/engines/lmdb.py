@@ -499,11 +499,11 @@ class LMDBEngine(Engine):
     ) -> None:
         def apply(txn: lmdb.Transaction) -> None:
             # (on a retry, values are hashed again: the last report counts)
-            pointer = self._reserving(txn)
+            reserver = self._reserver(txn)
             reserved: list[tuple[int, memoryview]] = []
             for j, (k, v) in enumerate(batch):
-                if pointer is not None and v.nbytes >= _RESERVE_MIN_BYTES:
-                    reserved.append((j, _lmdb_reserve.reserve(pointer, k, v.nbytes)))
+                if reserver is not None and v.nbytes >= _RESERVE_MIN_BYTES:
+                    reserved.append((j, reserver.room(k, v.nbytes)))
                     continue
                 if hashes is not None:
                     hashes.alongside(first + j, v)
@@ -513,12 +513,12 @@ class LMDBEngine(Engine):
 
         self._write(apply, size + 64 * len(batch))
 
-    def _reserving(self, txn: lmdb.Transaction) -> int | None:
-        """The transaction's pointer for ``_lmdb_reserve``, where values can be written into
-        the map by kvckpt itself: with ``writemap``, where the reserved pages are the map's."""
+    def _reserver(self, txn: lmdb.Transaction) -> _lmdb_reserve.Reserver | None:
+        """Where kvckpt can write values into the map itself: with ``writemap``, where the
+        pages LMDB reserves are the map's own."""
         if not (self._options["writemap"] and _lmdb_reserve.usable()):
             return None
-        return _lmdb_reserve.txn_pointer(txn)
+        return _lmdb_reserve.reserver(self._env.env, txn)
 
     def _fill_reserved(
         self,
