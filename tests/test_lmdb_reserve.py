@@ -96,7 +96,7 @@ def test_a_map_that_fills_mid_save_grows_and_the_save_completes(tmp_path: Path) 
 
 def test_a_reserved_value_that_reads_back_wrong_is_put_again(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(_lmdb_reserve, "_confirmed", None)
-    monkeypatch.setattr(_lmdb_reserve, "confirm", lambda stored, written: False)
+    monkeypatch.setattr(_lmdb_reserve, "confirm", lambda read, written: False)
     sizes = count_reserves(monkeypatch)
     engine = LMDBEngine(str(tmp_path / "s"))
     items = values()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import lmdb
@@ -118,11 +119,13 @@ def reserver(env: lmdb.Environment, txn: lmdb.Transaction) -> Reserver | None:
     return Reserver(put, int(pointer))
 
 
-def confirm(stored: memoryview | None, written: memoryview) -> bool:
-    """Compare the first value a process reserved, read back through py-lmdb, with what it
-    wrote; from then on reserving is used (equal) or not (anything else)."""
+def confirm(read: Callable[[], bytes | memoryview | None], written: memoryview) -> bool:
+    """Compare the first value a process reserved, read back through py-lmdb (``read()``, called
+    only then), with what it wrote; from then on reserving is used (equal) or not (anything
+    else)."""
     global _confirmed
     if _confirmed is None:
+        stored = read()
         _confirmed = stored is not None and stored == written
     return _confirmed
 

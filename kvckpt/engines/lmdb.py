@@ -471,8 +471,7 @@ class LMDBEngine(Engine):
         spare_of: Callable[[str], str] | None = None,
     ) -> None:
         # not reuses_values (spare_of unused): LMDB reuses freed pages by itself
-        hashing = on_value is not None and hasher is not None
-        hashes = HashesAlongside(hasher, on_value) if hashing else None  # type: ignore[arg-type]
+        hashes = None if on_value is None or hasher is None else HashesAlongside(hasher, on_value)
         batch: list[tuple[bytes, memoryview]] = []
         size = first = 0
         try:
@@ -535,15 +534,16 @@ class LMDBEngine(Engine):
         if hashes is None:
             fill(sources, rooms, range(len(reserved)), None, None)
         else:
-            on_value = hashes.on_value
+            report = hashes.on_value
             fill(
                 sources,
                 rooms,
                 range(len(reserved)),
                 hashes.hasher,
-                lambda i, digest: on_value(first + reserved[i][0], digest),
+                lambda i, digest: report(first + reserved[i][0], digest),
             )
-        if not _lmdb_reserve.confirm(txn.get(batch[reserved[0][0]][0]), sources[0]):  # type: ignore[arg-type]
+        key = batch[reserved[0][0]][0]
+        if not _lmdb_reserve.confirm(lambda: txn.get(key), sources[0]):
             # Never seen: LMDB's reserved room did not read back as written. Put every value
             # the usual way, over what was reserved, and reserve no more in this process.
             for j, _ in reserved:
