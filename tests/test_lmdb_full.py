@@ -123,17 +123,27 @@ def test_populating_more_than_the_filesystem_holds_fails_cleanly(fs_256m: Path) 
     assert done.stdout.strip() == "False"
 
 
-def test_big_saves_on_tmpfs_allocate_by_populating_and_still_fail_cleanly(
-    fs_256m: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("reserve", [True, False])
+def test_big_saves_on_tmpfs_allocate_their_pages_first_and_still_fail_cleanly(
+    fs_256m: Path, monkeypatch: pytest.MonkeyPatch, reserve: bool
 ) -> None:
-    """A save of >= 64 MiB on a tmpfs with room allocates its pages with MADV_POPULATE_WRITE
-    in several threads, not fallocate; one without room still gets StoreFullError."""
+    """A save of >= 64 MiB on a tmpfs with room allocates its pages before LMDB writes: with
+    ``fallocate`` where kvckpt writes the values into reserved room itself (through the file
+    and the map, ``fill_new_pages``), with MADV_POPULATE_WRITE in several threads where LMDB's
+    put copies them. One without room still gets StoreFullError."""
+    from kvckpt.engines import _lmdb_reserve
     from kvckpt.engines import lmdb as lmdb_engine
 
+    if reserve and not _lmdb_reserve.usable():
+        pytest.skip("py-lmdb's put cannot reserve on this platform")
+    if not reserve:
+        monkeypatch.setattr(_lmdb_reserve, "_engines", {})  # KVCKPT_LMDB_RESERVE=0
     assert lmdb_engine._on_tmpfs(str(fs_256m / "store"))
     populated: list[bool] = []
     fallocated: list[int] = []
+    written_new: list[int] = []
     populate, fallocate = lmdb_engine._populate_write, os.posix_fallocate
+    fill_new = lmdb_engine.fill_new_pages
 
     def spy_populate(*args: object) -> bool:
         populated.append(populate(*args))  # type: ignore[arg-type]
@@ -143,12 +153,21 @@ def test_big_saves_on_tmpfs_allocate_by_populating_and_still_fail_cleanly(
         fallocated.append(length)
         fallocate(fd, offset, length)
 
+    def spy_fill_new(sources: list[memoryview], *args: object) -> None:
+        written_new.append(sum(s.nbytes for s in sources))
+        fill_new(sources, *args)  # type: ignore[arg-type]
+
     monkeypatch.setattr(lmdb_engine, "_populate_write", spy_populate)
     monkeypatch.setattr(os, "posix_fallocate", spy_fallocate)
+    monkeypatch.setattr(lmdb_engine, "fill_new_pages", spy_fill_new)
     url = f"lmdb://{fs_256m / 'store'}"
     dcp.save(sd(80, 1.0), storage_writer=KVStorageWriter(url), checkpoint_id="a")
-    assert populated and all(populated)
-    assert all(n < 64 * MIB for n in fallocated)  # only the small writes (metadata)
+    if reserve:
+        assert not populated and sum(written_new) > 79 * MIB  # (the last part is small)
+        assert max(fallocated) >= 80 * MIB
+    else:
+        assert populated and all(populated) and not written_new
+        assert all(n < 64 * MIB for n in fallocated)  # only the small writes (metadata)
     monkeypatch.undo()
     data = fs_256m / "store" / "data.mdb"
     assert data.stat().st_blocks * 512 >= 80 * MIB  # the pages exist in the filesystem

@@ -1,8 +1,14 @@
 """LMDB saves that write large values into room reserved in the map (``_lmdb_reserve``): the
-same bytes and checksums as LMDB's own put, a map that grows mid-save, and the fallbacks."""
+same bytes and checksums as LMDB's own put, a map that grows mid-save, a new store's pages
+written through the file and the map, and the fallbacks."""
 
 from __future__ import annotations
 
+import mmap
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import lmdb
@@ -14,7 +20,8 @@ import xxhash
 
 from kvckpt import KVStorageReader, KVStorageWriter
 from kvckpt.engines import _lmdb_reserve
-from kvckpt.engines.lmdb import LMDBEngine
+from kvckpt.engines._pages import _on_tmpfs, address_of, file_offsets
+from kvckpt.engines.lmdb import LMDBEngine, close_idle_environments
 
 MIB = 1 << 20
 
@@ -127,3 +134,65 @@ def test_a_checkpoint_saved_into_reserved_room_loads_verified(tmp_path: Path) ->
     back = {"w": torch.zeros(1024, 1024), "b": torch.zeros(16)}
     dcp.load(back, storage_reader=KVStorageReader(url), checkpoint_id="step-1")
     assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
+
+
+@pytest.fixture
+def on_tmpfs() -> Iterator[Path]:
+    if not _on_tmpfs("/dev/shm"):
+        pytest.skip("no tmpfs at /dev/shm")
+    path = Path(tempfile.mkdtemp(prefix="kvckpt-test-", dir="/dev/shm"))
+    try:
+        yield path
+    finally:
+        close_idle_environments(str(path))
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def big_values() -> dict[str, np.ndarray]:
+    """80 MiB of large values: a save big enough to create its pages itself."""
+    rng = np.random.default_rng(1)
+    out = {f"big/{i}": rng.integers(0, 255, 2 * MIB + 4096 * i, dtype=np.uint8) for i in range(39)}
+    out["small"] = rng.integers(0, 255, 100, dtype=np.uint8)
+    return out
+
+
+@pytest.mark.parametrize("mapping", ["works", "fails"])
+def test_a_first_save_on_tmpfs_writes_its_new_pages_through_the_file_and_the_map(
+    on_tmpfs: Path, monkeypatch: pytest.MonkeyPatch, mapping: str
+) -> None:
+    """Into a new store on a tmpfs, one thread ``pwrite``s values into the file and the other
+    maps pages in and copies; where mapping fails (no room: EFAULT) that thread writes too.
+    Either way the bytes and digests are those of LMDB's put."""
+    from kvckpt.engines import lmdb as lmdb_engine
+
+    ways: list[str] = []
+    real_map_in = lmdb_engine.map_in
+
+    def map_in(view: memoryview) -> bool:
+        ways.append(mapping)
+        return mapping == "works" and real_map_in(view)
+
+    monkeypatch.setattr(lmdb_engine, "map_in", map_in)
+    writes = []
+    real_pwrite = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda *a: writes.append(a[2]) or real_pwrite(*a))
+    items = big_values()
+    engine = LMDBEngine(str(on_tmpfs / "s"))
+    digests = save(engine, items)
+    check(engine, items, digests)
+    assert writes and ways  # both threads took values
+    monkeypatch.setattr(_lmdb_reserve, "_engines", {})  # KVCKPT_LMDB_RESERVE=0
+    assert save(LMDBEngine(str(on_tmpfs / "put")), items) == digests
+
+
+def test_file_offsets_are_found_from_the_map_or_not_at_all(on_tmpfs: Path) -> None:
+    path = on_tmpfs / "f"
+    with open(path, "w+b") as f:
+        f.truncate(4 * MIB)
+        with mmap.mmap(f.fileno(), 4 * MIB) as mm:
+            view = memoryview(mm)
+            base = address_of(view)
+            assert file_offsets(str(path), [base, base + 3 * MIB + 5]) == [0, 3 * MIB + 5]
+            assert file_offsets(str(path), [base + 4 * MIB]) is None
+            assert file_offsets(str(on_tmpfs / "other"), [base]) is None
+            view.release()

@@ -15,6 +15,8 @@ import mmap
 import os
 import sys
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 _MIB = 1 << 20
 
@@ -123,3 +125,55 @@ def _on_tmpfs(path: str) -> bool:
     """Whether ``path`` lies on a tmpfs (where ``fallocate`` is the expensive part: it
     allocates and zeroes every page, in one thread)."""
     return mount_of(path)[1] == "tmpfs"
+
+
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc
+
+
+_madvise = _libc().madvise if sys.platform == "linux" else None
+
+
+def file_offsets(data_file: str, addresses: Sequence[int]) -> list[int] | None:
+    """Where in ``data_file`` each address of this process's writable shared map of it lies
+    (from ``/proc/self/maps``: each mapping's start and file offset), or None where one is not
+    in such a map."""
+    real = os.path.realpath(data_file)
+    ranges: list[tuple[int, int, int]] = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                if len(fields) >= 6 and fields[1] == "rw-s" and line.rstrip().endswith(real):
+                    start_s, end_s = fields[0].split("-")
+                    ranges.append((int(start_s, 16), int(end_s, 16), int(fields[2], 16)))
+    except (OSError, ValueError, IndexError):
+        return None
+    offsets = []
+    for address in addresses:
+        for start, end, offset in ranges:
+            if start <= address < end:
+                offsets.append(address - start + offset)
+                break
+        else:
+            return None
+    return offsets
+
+
+def address_of(view: memoryview) -> int:
+    """The address of a writable buffer's first byte."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def map_in(view: memoryview) -> bool:
+    """Allocate and map the pages under ``view`` (part of a writable shared map) with
+    ``MADV_POPULATE_WRITE``: True once they are; False where that failed (no room left on the
+    filesystem: EFAULT, not the SIGBUS a write into them would raise; or no such madvise)."""
+    if _madvise is None or not _populate_ok or view.nbytes == 0:
+        return False
+    address = address_of(view)
+    start = address - address % mmap.PAGESIZE
+    return bool(_madvise(start, address + view.nbytes - start, _MADV_POPULATE_WRITE) == 0)

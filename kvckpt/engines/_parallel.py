@@ -15,6 +15,7 @@ count of a thread the child does not have, and work submitted to it never runs.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -135,3 +136,75 @@ class HashesAlongside:
             self._thread = None
         if self._failure:
             raise self._failure[0]
+
+
+#: ``fill_new_pages`` writes and hashes a value in pieces of this size, so the hash finds each
+#: piece in the CPU's cache when ``pwrite`` reads it again.
+_WRITE_PIECE = 1 << 20
+
+
+def fill_new_pages(
+    sources: Sequence[memoryview],
+    rooms: Sequence[memoryview],
+    offsets: Sequence[int],
+    fd: int,
+    hasher: Callable[[], Hasher] | None,
+    on_value: ValueCallback | None,
+    map_in: Callable[[memoryview], bool],
+) -> None:
+    """``fill`` for rooms in a shared file map whose pages are not mapped in yet (a new
+    store's first save into a tmpfs), ``rooms[i]`` lying at ``offsets[i]`` of the file open as
+    ``fd``.
+
+    A tmpfs page written through the map for the first time costs a fault and zeroing the
+    page; ``write()`` into the file copies into the page without either, but takes the file's
+    lock, one ``write()`` at a time. So the two threads take the values in turns from one
+    queue, each its own way: this thread ``pwrite``s values into the file (hashing each piece
+    just before writing it), the other maps a value's pages in (``map_in``) and copies into
+    them as ``fill`` does (``benchmarks/run.py`` times the two ways alone and together). A
+    value whose pages cannot be mapped (``map_in`` fails: a filesystem without room reports
+    EFAULT where a write would raise SIGBUS) is written with ``pwrite``, which reports ENOSPC
+    as an ``OSError``."""
+    queue = iter(sorted(range(len(rooms)), key=lambda i: -rooms[i].nbytes))
+    failure: list[BaseException] = []
+
+    def write(i: int) -> None:
+        h = None if hasher is None else hasher()
+        source, at = sources[i], offsets[i]
+        for a in range(0, source.nbytes, _WRITE_PIECE):
+            piece = source[a : a + _WRITE_PIECE]
+            if h is not None:
+                h.update(piece)
+            done = 0
+            while done < piece.nbytes:
+                done += os.pwrite(fd, piece[done:], at + a + done)
+        if on_value is not None:
+            on_value(i, None if h is None else h.intdigest())
+
+    def copy(i: int) -> None:
+        if not map_in(rooms[i]):
+            write(i)
+            return
+        if hasher is not None:
+            digest: int | None = copy_and_hash(rooms[i], sources[i], hasher())
+        else:
+            copy_into(rooms[i], sources[i])
+            digest = None
+        if on_value is not None:
+            on_value(i, digest)
+
+    def work(way: Callable[[int], None]) -> None:
+        try:
+            for i in queue:  # (next() on a list iterator is atomic under the GIL)
+                if failure:
+                    return
+                way(i)
+        except BaseException as e:
+            failure.append(e)
+
+    helper = threading.Thread(target=work, args=(copy,), name="kvckpt-copy", daemon=True)
+    helper.start()
+    work(write)
+    helper.join()
+    if failure:
+        raise failure[0]

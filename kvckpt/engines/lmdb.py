@@ -50,8 +50,11 @@ from ._pages import (
     _populate_ok,
     _populate_write,
     _ranks_on_node,
+    address_of,
+    file_offsets,
+    map_in,
 )
-from ._parallel import HashesAlongside, fill
+from ._parallel import HashesAlongside, fill, fill_new_pages
 from .base import (
     DEFAULT_PART_BYTES,
     BytesLike,
@@ -321,37 +324,45 @@ class LMDBEngine(Engine):
                     return
                 shared.populated = max(shared.populated, at + size)
 
-    def _preallocate(self, shared: _SharedEnv, nbytes: int) -> None:
+    def _preallocate(self, shared: _SharedEnv, nbytes: int, write_new: bool = False) -> bool:
         """Allocate, in the kernel, the file pages LMDB will take from the end of the file.
 
         Writing through the memory map into pages that do not exist yet costs a page fault per
         4 KiB page (on a VM, far slower than the copy itself); ``fallocate`` creates them in one
         call and ``MADV_POPULATE_WRITE`` maps them. Only the shortfall beyond the free pages
         LMDB can reuse is allocated, so a store in steady state (old checkpoints deleted, pages
-        reused) allocates nothing. On a tmpfs with room to spare, ``fallocate`` is skipped: there
-        it allocates and zeroes every page in one thread, while ``MADV_POPULATE_WRITE`` split
-        over a few threads allocates and maps them at once, in less time.
+        reused) allocates nothing. On a tmpfs with room to spare, ``fallocate`` is skipped:
+        there it allocates every page on one thread (the file's lock) and leaves each to be
+        zeroed when first mapped, while ``MADV_POPULATE_WRITE`` split over a few threads
+        allocates, zeroes and maps them at once, in less time.
 
         It is also what keeps a full filesystem from killing the process: with ``writemap``,
         LMDB stores into the map directly, and touching a page the filesystem has no room for
         raises SIGBUS. Allocating first turns that into ENOSPC (``fallocate``) or EFAULT
         (``MADV_POPULATE_WRITE``, after which ``fallocate`` runs and reports it), and a clear
         error, before LMDB writes anything.
+
+        ``write_new``: the save writes its values into reserved room itself. Then, on a tmpfs,
+        a big save's new pages are allocated with ``fallocate`` and not mapped in: the save
+        writes them through the file on one thread (``write()`` copies into a page without
+        zeroing it or faulting) and maps in and copies on the other
+        (``_parallel.fill_new_pages``), and this returns True.
         """
         if not self._options["writemap"]:
-            return
+            return False
         start, free, map_size = self._space(shared)
         # The values plus LMDB's own pages (branch pages, page headers, the free list).
         length = min(nbytes + nbytes // 16 + _MIB - free, map_size - start)
         if length <= 0 or shared.populated >= start + length:
-            return  # enough free pages, or get_ready mapped these in already
+            return False  # enough free pages, or get_ready mapped these in already
         big = nbytes >= _POPULATE_MIN_PIECE
         if big:
             # This save maps in the pages it needs now, with every thread; get_ready goes on
             # with the rest after it.
             shared.stop_populating()
             if shared.populated >= start + length:
-                return
+                return False
+        write_new = write_new and big and self._tmpfs
         data_file = os.path.join(self.path, "data.mdb")
         # Mapping a few used pages too (a new store's first two) lets ``populated`` count
         # from the start of the file, so that later writes there know they fault nothing.
@@ -361,12 +372,13 @@ class LMDBEngine(Engine):
         if (
             big
             and self._tmpfs
+            and not write_new
             and (self._free_bytes() or 0) >= 2 * length
             and _populate_write(data_file, begin, start + length - begin)
         ):
             if shared.populated >= begin:  # (madvise maps whole pages)
                 shared.populated = max(shared.populated, _page_up(start + length))
-            return
+            return False
         try:
             fd = os.open(data_file, os.O_RDWR)
             try:
@@ -376,9 +388,12 @@ class LMDBEngine(Engine):
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise self._full(nbytes) from None
-            return  # filesystems without fallocate: LMDB faults the pages in itself
+            return False  # filesystems without fallocate: LMDB faults the pages in itself
+        if write_new:
+            return True
         if big:
             _populate_write(data_file, start, length)
+        return False
 
     @functools.cached_property
     def _tmpfs(self) -> bool:
@@ -415,16 +430,18 @@ class LMDBEngine(Engine):
             "filesystem."
         )
 
-    def _write(self, apply: Any, nbytes: int) -> Any:
-        """Run ``apply(txn)`` in one write transaction, growing the map until it fits."""
+    def _write(self, apply: Any, nbytes: int, write_new: bool = False) -> Any:
+        """Run ``apply(txn)`` in one write transaction, growing the map until it fits. With
+        ``write_new`` (``_preallocate``), ``apply(txn, new_pages)``: whether the pages past the
+        end of the file were left for it to create."""
         shared = self._writable_env()
         with shared.write_lock:
             self._grow(shared, nbytes)
-            self._preallocate(shared, nbytes)
+            new_pages = self._preallocate(shared, nbytes, write_new)
             for _attempt in range(32):
                 try:
                     with shared.env.begin(write=True) as txn:
-                        return apply(txn)
+                        return apply(txn, new_pages) if write_new else apply(txn)
                 except lmdb.MapFullError:
                     shared.set_mapsize(2 * shared.env.info()["map_size"])
                 except lmdb.MapResizedError:
@@ -496,7 +513,7 @@ class LMDBEngine(Engine):
         first: int,
         hashes: HashesAlongside | None,
     ) -> None:
-        def apply(txn: lmdb.Transaction) -> None:
+        def apply(txn: lmdb.Transaction, new_pages: bool = False) -> None:
             # (on a retry, values are hashed again: the last report counts)
             reserver = self._reserver(txn)
             reserved: list[tuple[int, memoryview]] = []
@@ -508,16 +525,23 @@ class LMDBEngine(Engine):
                     hashes.alongside(first + j, v)
                 txn.put(k, v)
             if reserved:
-                self._fill_reserved(txn, batch, reserved, first, hashes)
+                self._fill_reserved(txn, batch, reserved, first, hashes, new_pages)
 
-        self._write(apply, size + 64 * len(batch))
+        # Values written into reserved room may create the store's new pages themselves, where
+        # they are nearly all of the batch (LMDB's put faults each page it writes, one by one).
+        large = sum(v.nbytes for _, v in batch if v.nbytes >= _RESERVE_MIN_BYTES)
+        write_new = 8 * large >= 7 * size and self._reserver_usable()
+        self._write(apply, size + 64 * len(batch), write_new=write_new)
 
     def _reserver(self, txn: lmdb.Transaction) -> _lmdb_reserve.Reserver | None:
         """Where kvckpt can write values into the map itself: with ``writemap``, where the
         pages LMDB reserves are the map's own."""
-        if not (self._options["writemap"] and _lmdb_reserve.usable()):
+        if not self._reserver_usable():
             return None
         return _lmdb_reserve.reserver(self._env.env, txn)
+
+    def _reserver_usable(self) -> bool:
+        return bool(self._options["writemap"]) and _lmdb_reserve.usable()
 
     def _fill_reserved(
         self,
@@ -526,22 +550,19 @@ class LMDBEngine(Engine):
         reserved: list[tuple[int, memoryview]],
         first: int,
         hashes: HashesAlongside | None,
+        new_pages: bool,
     ) -> None:
         """Copy each reserved value into its room in the map, hashing it in the same pass, the
-        values split over two threads (``fill``)."""
+        values split over two threads (``fill``; where the room's pages are still to be
+        created, ``fill_new_pages``)."""
         sources = [_bytes_view(batch[j][1]) for j, _ in reserved]
         rooms = [room for _, room in reserved]
-        if hashes is None:
-            fill(sources, rooms, range(len(reserved)), None, None)
-        else:
-            report = hashes.on_value
-            fill(
-                sources,
-                rooms,
-                range(len(reserved)),
-                hashes.hasher,
-                lambda i, digest: report(first + reserved[i][0], digest),
-            )
+        hasher, report = None, None
+        if hashes is not None:
+            hasher, on_value = hashes.hasher, hashes.on_value
+            report = lambda i, digest: on_value(first + reserved[i][0], digest)  # noqa: E731
+        if not (new_pages and self._fill_new_pages(sources, rooms, hasher, report)):
+            fill(sources, rooms, range(len(reserved)), hasher, report)
         key = batch[reserved[0][0]][0]
         if not _lmdb_reserve.confirm(lambda: txn.get(key), sources[0]):
             # Never seen: LMDB's reserved room did not read back as written. Put every value
@@ -550,6 +571,30 @@ class LMDBEngine(Engine):
                 if hashes is not None:
                     hashes.alongside(first + j, batch[j][1])
                 txn.put(*batch[j])
+
+    def _fill_new_pages(
+        self,
+        sources: list[memoryview],
+        rooms: list[memoryview],
+        hasher: Callable[[], Hasher] | None,
+        report: ValueCallback | None,
+    ) -> bool:
+        """``fill_new_pages`` into rooms whose pages the file does not have yet; False where
+        the rooms' places in the file cannot be found (``fill`` then copies as usual)."""
+        data_file = self._env.data_file
+        offsets = file_offsets(data_file, [address_of(room) for room in rooms])
+        if offsets is None:
+            return False
+        fd = os.open(data_file, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            fill_new_pages(sources, rooms, offsets, fd, hasher, report, map_in)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise self._full(sum(s.nbytes for s in sources)) from None
+            raise
+        finally:
+            os.close(fd)
+        return True
 
     def get_many(self, keys: Sequence[str], consume: Consumer) -> None:
         with self._read_txn() as txn:
