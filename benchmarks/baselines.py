@@ -19,7 +19,8 @@ import torch
 from timing import timed
 from workload import KIB, MIB, nbytes, tensor_parts, zeros_like
 
-from kvckpt.engines._pages import _populate_write
+from kvckpt.engines._pages import _populate_write, map_in
+from kvckpt.engines._parallel import fill_new_pages
 from kvckpt.format import new_checksum
 
 
@@ -199,11 +200,17 @@ class NewFileWrites:
     - ``write_t2``: two threads, each ``pwrite``-ing half of the parts into a file of its own
       (DCP's ``FileSystemWriter`` with two threads, less its serialization and planning): the
       kernel allocates each page inside ``write`` and copies into it.
+    - ``write_map_t2``: one file, its pages allocated (``fallocate``) and memory-mapped, the
+      parts taken in turns by two threads: one ``pwrite``s them into the file (the kernel
+      copies into each page), the other maps each part's pages in with
+      ``MADV_POPULATE_WRITE`` (the kernel zeroes and maps each page) and copies into them (an
+      LMDB store's first save, less LMDB: ``_parallel.fill_new_pages``, unhashed).
+
+    And three that split the difference between them into its parts:
+
     - ``map_copy_t2``: one file, memory-mapped, its pages mapped in on two threads with
       ``MADV_POPULATE_WRITE`` (the kernel allocates, zeroes and maps each page), then the parts
-      copied in on one thread (an LMDB store's first save, less LMDB).
-
-    And two that split the difference between them into its parts:
+      copied in on one thread (an LMDB store's first save where LMDB's put copies the values).
 
     - ``write_one_file_t2``: ``write_t2`` into one file, each thread writing its half at its
       offset (what a store kept in one file could do with ``write()``: a file takes one
@@ -282,6 +289,22 @@ class NewFileWrites:
         self.next_files()
         with open(self.files[0], "w+b") as f:
             os.posix_fallocate(f.fileno(), 0, self.size)
+
+    def write_map_t2(self) -> None:
+        path = self.files[0]
+        offsets = list(itertools.accumulate((p.nbytes for p in self.parts), initial=0))
+        with open(path, "w+b") as f:
+            os.posix_fallocate(f.fileno(), 0, self.size)
+            with mmap.mmap(f.fileno(), self.size) as mm:
+                view = memoryview(mm)
+                rooms = [view[a : a + p.nbytes] for a, p in zip(offsets, self.parts, strict=False)]
+                try:
+                    # the routine an LMDB store's first save writes its new pages with
+                    fill_new_pages(self.parts, rooms, offsets, f.fileno(), None, None, map_in)
+                finally:
+                    for room in rooms:
+                        room.release()
+                    view.release()
 
     def map_copy_t2(self) -> None:
         path = self.files[0]

@@ -342,6 +342,7 @@ class Bench:
                 "dcp_fs_shm_save_t1_keep1": (dcp_dirs.save_keep1, None),
                 # writing into new memory with nothing around it, each way (baselines.py)
                 "new_file_write_t2": (writes.write_t2, writes.next_files),
+                "new_file_write_map_t2": (maps.write_map_t2, maps.next_files),
                 "new_file_map_copy_t2": (maps.map_copy_t2, maps.next_files),
                 "new_file_write_one_t2": (writes.write_one_file_t2, writes.next_files),
                 "new_file_map_allocated_copy_t2": (maps.map_copy_t2, maps.next_allocated_files),
