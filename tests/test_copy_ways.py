@@ -40,7 +40,7 @@ KIB = 1024
 
 
 def test_candidates_take_turns_until_each_is_timed_then_the_fastest_median_stays() -> None:
-    choice = TimedChoice((256 * KIB, 512 * KIB, 1024 * KIB), samples=3, min_timed=4096)
+    choice = TimedChoice((256 * KIB, 512 * KIB, 1024 * KIB), samples=3, run=1, min_timed=4096)
     cost = {256 * KIB: 3.0, 512 * KIB: 1.0, 1024 * KIB: 2.0}
     tried = []
     while choice.chosen is None:
@@ -55,6 +55,18 @@ def test_candidates_take_turns_until_each_is_timed_then_the_fastest_median_stays
     assert choice.way() == 512 * KIB
     assert choice.trial(8192) is None  # chosen: nothing more is timed
     assert set(choice.medians()) == set(cost)
+
+
+def test_each_candidate_times_a_run_of_values_so_both_copy_threads_run_it_at_once() -> None:
+    choice = TimedChoice((256 * KIB, 512 * KIB), samples=4, run=2, min_timed=4096)
+    tried = []
+    while (size := choice.trial(8192)) is not None:
+        tried.append(size)
+        choice.record(size, 8192, 1.0 if size == 512 * KIB else 2.0)
+    assert tried == [256 * KIB] * 2 + [512 * KIB] * 2 + [256 * KIB] * 2 + [512 * KIB] * 2
+    assert choice.chosen == 512 * KIB
+    with pytest.raises(ValueError, match="run"):
+        TimedChoice((64 * KIB,), run=0)
 
 
 def test_small_values_are_not_timed_and_use_the_default() -> None:
@@ -109,13 +121,28 @@ def test_copy_and_hash_gives_the_same_bytes_and_digest_with_every_piece_size(
 
 
 def test_copy_and_hash_times_values_for_the_process_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    choice = TimedChoice((256 * KIB, 512 * KIB), samples=2, min_timed=1024 * KIB)
+    choice = TimedChoice((256 * KIB, 512 * KIB), samples=2, run=2, min_timed=1024 * KIB)
     monkeypatch.setattr(_copy_ways, "COPY_HASH_WAY", choice)
     src = np.ones(1024 * KIB, dtype=np.uint8)
     for _ in range(4):
         base.copy_and_hash(memoryview(np.empty_like(src)), memoryview(src), xxhash.xxh3_64())
     assert choice.chosen in (256 * KIB, 512 * KIB)
     assert set(choice.medians()) == {256 * KIB, 512 * KIB}  # both timed, twice each
+
+
+def test_copies_beside_other_work_are_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy that runs beside another kind of work (a new LMDB store's first save, whose
+    other thread writes through the file) uses the way without timing it for the choice."""
+    choice = TimedChoice((256 * KIB, 512 * KIB), samples=1, run=1, min_timed=1024 * KIB)
+    plain = TimedChoice((MEMCPY, STREAM), samples=1, run=1, default=MEMCPY, min_timed=1 << 20)
+    monkeypatch.setattr(_copy_ways, "COPY_HASH_WAY", choice)
+    monkeypatch.setattr(_copy_ways, "COPY_WAY", plain)
+    src = np.random.default_rng(7).integers(0, 256, 2 << 20, dtype=np.uint8)
+    dest = np.zeros_like(src)
+    digest = base.copy_and_hash(memoryview(dest), memoryview(src), xxhash.xxh3_64(), timed=False)
+    assert digest == xxhash.xxh3_64_intdigest(src.tobytes()) and np.array_equal(dest, src)
+    base.copy_into(memoryview(np.zeros_like(src)), memoryview(src), timed=False)
+    assert choice.medians() == {} and plain.medians() == {}
 
 
 def test_the_default_parts_are_timed() -> None:
@@ -230,7 +257,7 @@ def test_the_native_loop_is_timed_with_the_pieces_and_other_hashers_wait_for_the
     included; a hasher the loop cannot stand for is copied untimed, so the loop's turns are
     never lost and the choice is made."""
     native_or_skip()
-    choice = TimedChoice((NATIVE, 1024 * KIB), samples=2, min_timed=1024 * KIB)
+    choice = TimedChoice((NATIVE, 1024 * KIB), samples=2, run=2, min_timed=1024 * KIB)
     monkeypatch.setattr(_copy_ways, "COPY_HASH_WAY", choice)
     src = np.random.default_rng(4).integers(0, 256, 2048 * KIB, dtype=np.uint8)
     other = xxhash.xxh3_64(seed=1)
@@ -386,7 +413,7 @@ def test_unverified_copies_time_numpy_against_the_streaming_copy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     native_or_skip()
-    choice = TimedChoice((MEMCPY, STREAM), samples=2, default=MEMCPY, min_timed=1 << 20)
+    choice = TimedChoice((MEMCPY, STREAM), samples=2, run=2, default=MEMCPY, min_timed=1 << 20)
     monkeypatch.setattr(_copy_ways, "COPY_WAY", choice)
     src = np.random.default_rng(6).integers(0, 256, 2 << 20, dtype=np.uint8)
     for _ in range(4):

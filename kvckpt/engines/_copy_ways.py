@@ -25,6 +25,8 @@ the copy on some x86 CPUs where the pieces cannot (``benchmarks/run.py`` reports
 candidate's time and the choices). So a process does not guess from the CPU's model: its first
 values are copied each way in turn, each value timed, and once every candidate has been timed
 a few times the one with the lowest median time per byte is kept for the rest of the process.
+Each candidate takes a few values in a row (``RUN``), so a load's two threads time it running
+on both, as it will run once chosen.
 Verified and unverified copies are chosen apart (``COPY_HASH_WAY``, ``COPY_WAY``).
 
 The values timed are the load's own: nothing extra is copied, and timing costs two clock reads
@@ -136,28 +138,36 @@ DEFAULT: Way = 1024 * _KIB
 #: Timings per candidate before choosing: enough for a median to ignore a page fault or a
 #: preempted thread.
 SAMPLES = 8
+#: Each candidate copies this many timed values in a row, so that a load's two copy threads
+#: time the same way at once: a way's memory traffic slows the other thread's copy too (a copy
+#: with ordinary stores reads each destination line first), which timings of two ways side by
+#: side would charge to both.
+RUN = 4
 #: Values smaller than this are not timed: a few pieces say little about the per-piece cost.
 #: A part of the default size (``base.DEFAULT_PART_BYTES``, 64 bytes under 4 MiB) is timed.
 MIN_TIMED_BYTES = 2 * max(PIECES) - 64
 
 
 class TimedChoice:
-    """A copy way of this process: candidates take turns, one per timed value,
-    until each has ``samples`` timings; then the fastest by median stays. Safe to use from
-    several threads (the two copy threads of a load time their values at once)."""
+    """A copy way of this process: candidates take turns, ``run`` timed values each, until
+    each has ``samples`` timings; then the fastest by median stays. Safe to use from several
+    threads (the two copy threads of a load time their values at once, each turn's way on
+    both)."""
 
     def __init__(
         self,
         candidates: tuple[Way, ...] = CANDIDATES,
         *,
         samples: int = SAMPLES,
+        run: int = RUN,
         default: Way = DEFAULT,
         min_timed: int = MIN_TIMED_BYTES,
     ) -> None:
-        if not candidates or samples < 1:
-            raise ValueError("TimedChoice needs at least one candidate and one sample")
+        if not candidates or samples < 1 or run < 1:
+            raise ValueError("TimedChoice needs at least one candidate, one sample and a run")
         self.candidates = candidates
         self.samples = samples
+        self.run = run
         self.default = default
         self.min_timed = min_timed
         #: The way kept for the process, None while candidates are still being timed.
@@ -171,7 +181,7 @@ class TimedChoice:
         ``way()`` and do not time it (the choice is made, or the value is too small)."""
         if self.chosen is not None or nbytes < self.min_timed:
             return None
-        return self.candidates[next(self._turn) % len(self.candidates)]
+        return self.candidates[next(self._turn) // self.run % len(self.candidates)]
 
     def way(self) -> Way:
         """The way to copy an untimed value with."""

@@ -185,10 +185,12 @@ def fill_new_pages(
         if not map_in(rooms[i]):
             write(i)
             return
+        # (untimed: beside the other thread's write(), this copy's time says little about how
+        # the way runs on both threads, which is what the process's choice is for)
         if hasher is not None:
-            digest: int | None = copy_and_hash(rooms[i], sources[i], hasher())
+            digest: int | None = copy_and_hash(rooms[i], sources[i], hasher(), timed=False)
         else:
-            copy_into(rooms[i], sources[i])
+            copy_into(rooms[i], sources[i], timed=False)
             digest = None
         if on_value is not None:
             on_value(i, digest)

@@ -62,7 +62,7 @@ DEFAULT_PART_BYTES = 4 * 1024 * 1024 - 64
 _HASH_PIECE = 1024 * 1024
 
 
-def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher) -> int:
+def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher, timed: bool = True) -> int:
     """Copy ``src`` into ``dest`` and return the digest of its bytes, fed to ``hasher``, in one
     pass over memory instead of two. A fresh xxh3 hasher (the format's checksum) may be replaced
     by the compiled loop (``_copy_ways.NATIVE_WAYS``: with ordinary or non-temporal stores,
@@ -72,15 +72,17 @@ def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher) -> int:
     where the copy then reads it (``benchmarks/run.py`` measures the cost; a save to LMDB
     hashes each value on a second thread while LMDB copies it, ``_parallel.HashesAlongside``).
     The way and the piece size are the process's ``COPY_HASH_WAY``, chosen by timing its first
-    verified values. Every way releases the GIL (the native loop, numpy's copy, xxhash), so
-    several threads can run it at once."""
+    verified values (``timed=False``: a copy that is not one of two alike running at once,
+    whose time would mislead the choice, uses the way without timing it). Every way releases
+    the GIL (the native loop, numpy's copy, xxhash), so several threads can run it at once."""
     choice = _copy_ways.COPY_HASH_WAY
     native = _copy_ways.NATIVE_COPY_HASH
     usable = native is not None and _fresh_xxh3(hasher)
     # Values the native loop cannot copy are not timed where it is a candidate: its turns
     # would go unrecorded and the choice would never be made.
-    timed = choice.trial(src.nbytes) if usable or NATIVE not in choice.candidates else None
-    way = timed or choice.way()
+    timable = timed and (usable or NATIVE not in choice.candidates)
+    trying = choice.trial(src.nbytes) if timable else None
+    way = trying or choice.way()
     if way in NATIVE_WAYS and not usable:
         way = _copy_ways.DEFAULT
     started = time.perf_counter()
@@ -95,26 +97,27 @@ def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher) -> int:
             hasher.update(piece.data)
             np.copyto(out[start : start + size], piece)
         digest = hasher.intdigest()
-    if timed is not None:
-        choice.record(timed, src.nbytes, time.perf_counter() - started)
+    if trying is not None:
+        choice.record(trying, src.nbytes, time.perf_counter() - started)
     return digest
 
 
-def copy_into(dest: memoryview, src: memoryview) -> None:
+def copy_into(dest: memoryview, src: memoryview, timed: bool = True) -> None:
     """Copy ``src`` into ``dest`` (the same number of bytes), unverified: with numpy's copy or,
     for a value of ``STREAM_MIN_BYTES`` or more, the compiled copy with non-temporal stores,
-    whichever the process's ``COPY_WAY`` chose by timing its first values. Releases the GIL."""
+    whichever the process's ``COPY_WAY`` chose by timing its first values (not this one's,
+    with ``timed=False``). Releases the GIL."""
     choice = _copy_ways.COPY_WAY
     stream = _copy_ways.NATIVE_STREAM_COPY
-    timed = choice.trial(src.nbytes)
-    way = timed or choice.way()
+    trying = choice.trial(src.nbytes) if timed else None
+    way = trying or choice.way()
     started = time.perf_counter()
     if way == STREAM and stream is not None and src.nbytes >= STREAM_MIN_BYTES:
         stream(dest, src)
     else:
         np.copyto(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
-    if timed is not None:
-        choice.record(timed, src.nbytes, time.perf_counter() - started)
+    if trying is not None:
+        choice.record(trying, src.nbytes, time.perf_counter() - started)
 
 
 #: The digest of no bytes: a hasher that gives it is fresh (nothing fed, seed 0).
