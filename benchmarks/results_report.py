@@ -45,13 +45,13 @@ def way_name(c: int | str) -> str:
     return WAY_NAMES.get(str(c)) or f"{int(c) // 1024} KiB pieces"
 
 
-def _choice_line(what: str, way: dict[str, Any]) -> str:
+def _choice_line(what: str, way: dict[str, Any], by: str = "loads") -> str:
     timed = ", ".join(f"{way_name(c)} {ms:.0f}" for c, ms in way["ms_per_gib"].items())
     if way["chosen"] is None:
         chosen = "not chosen (too few values of a default part or more to time)"
     else:
         chosen = way_name(way["chosen"])
-    return f"- {what}, chosen by timing the run's first loads: {chosen}" + (
+    return f"- {what}, chosen by timing the run's first {by}: {chosen}" + (
         f" (medians, ms per GiB on one thread: {timed})" if timed else ""
     )
 
@@ -59,7 +59,8 @@ def _choice_line(what: str, way: dict[str, Any]) -> str:
 def piece_line(r: dict[str, Any]) -> list[str]:
     """The ways to copy and hash (the native loop with either kind of store, or pieces of a
     size) and to copy unverified (numpy's, or the native non-temporal copy) the run's LMDB
-    loads chose by timing, and the timings (none for a run made before the choice was timed;
+    loads chose by timing, the way its LMDB saves chose to copy and hash (runs before saves
+    chose apart lack it), and the timings (none for a run made before the choice was timed;
     runs before the native loop chose only a piece size, and copied unverified with numpy)."""
     lines = []
     way = r.get("copy_hash_way") or r.get("copy_hash_piece")
@@ -67,6 +68,10 @@ def piece_line(r: dict[str, Any]) -> list[str]:
         lines.append(_choice_line("the verified LMDB load's copy-and-hash", way))
     if "copy_way" in r:
         lines.append(_choice_line("the unverified LMDB load's copy", r["copy_way"]))
+    if "save_copy_hash_way" in r:
+        lines.append(
+            _choice_line("the checksummed LMDB save's copy-and-hash", r["save_copy_hash_way"])
+        )
     return lines
 
 

@@ -145,6 +145,27 @@ def test_copies_beside_other_work_are_not_timed(monkeypatch: pytest.MonkeyPatch)
     assert choice.medians() == {} and plain.medians() == {}
 
 
+def test_copies_into_a_store_choose_their_way_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save's copies into a store's memory time ``SAVE_COPY_HASH_WAY`` / ``SAVE_COPY_WAY``,
+    a load's copies out of it ``COPY_HASH_WAY`` / ``COPY_WAY``: the fastest way can differ."""
+    choices = {
+        name: TimedChoice((256 * KIB, 512 * KIB), samples=1, run=1, min_timed=1024 * KIB)
+        for name in ("COPY_HASH_WAY", "SAVE_COPY_HASH_WAY")
+    } | {
+        name: TimedChoice((MEMCPY, STREAM), samples=1, run=1, default=MEMCPY, min_timed=1 << 20)
+        for name in ("COPY_WAY", "SAVE_COPY_WAY")
+    }
+    for name, choice in choices.items():
+        monkeypatch.setattr(_copy_ways, name, choice)
+    src = np.random.default_rng(8).integers(0, 256, 2 << 20, dtype=np.uint8)
+    base.copy_and_hash(
+        memoryview(np.zeros_like(src)), memoryview(src), xxhash.xxh3_64(), True, True
+    )
+    base.copy_into(memoryview(np.zeros_like(src)), memoryview(src), True, into_store=True)
+    assert choices["SAVE_COPY_HASH_WAY"].medians() and choices["SAVE_COPY_WAY"].medians()
+    assert not choices["COPY_HASH_WAY"].medians() and not choices["COPY_WAY"].medians()
+
+
 def test_the_default_parts_are_timed() -> None:
     """A load of values split at the engines' default size times its pieces: the choice is
     made on every such load, not only on values of some larger size."""

@@ -27,7 +27,8 @@ values are copied each way in turn, each value timed, and once every candidate h
 a few times the one with the lowest median time per byte is kept for the rest of the process.
 Each candidate takes a few values in a row (``RUN``), so a load's two threads time it running
 on both, as it will run once chosen.
-Verified and unverified copies are chosen apart (``COPY_HASH_WAY``, ``COPY_WAY``).
+Verified and unverified copies are chosen apart (``COPY_HASH_WAY``, ``COPY_WAY``), and copies
+into a store apart from copies out of it (``SAVE_COPY_HASH_WAY``, ``SAVE_COPY_WAY``).
 
 The values timed are the load's own: nothing extra is copied, and timing costs two clock reads
 per value. Until a choice is made, values too small to time well use the default way. Values
@@ -210,6 +211,11 @@ class TimedChoice:
 #: (copy and hash), and unverified ones.
 COPY_HASH_WAY = TimedChoice()
 COPY_WAY = TimedChoice(COPY_CANDIDATES, default=MEMCPY)
+#: The same for copies into a store's memory (a save writing into LMDB's map), chosen apart:
+#: they move memory the other way, and the fastest way can differ (on an Emerald Rapids VM the
+#: non-temporal loop loaded far faster than the loop with ordinary stores and saved no faster).
+SAVE_COPY_HASH_WAY = TimedChoice()
+SAVE_COPY_WAY = TimedChoice(COPY_CANDIDATES, default=MEMCPY)
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=COPY_HASH_WAY.after_fork)
-    os.register_at_fork(after_in_child=COPY_WAY.after_fork)
+    for _choice in (COPY_HASH_WAY, COPY_WAY, SAVE_COPY_HASH_WAY, SAVE_COPY_WAY):
+        os.register_at_fork(after_in_child=_choice.after_fork)

@@ -43,11 +43,16 @@ def fill(
     jobs: Sequence[int],
     hasher: Callable[[], Hasher] | None,
     on_value: ValueCallback | None,
+    timed: bool = True,
+    into_store: bool = False,
 ) -> None:
     """Copy ``sources[i]`` into ``buffers[i]`` for each ``i`` in ``jobs`` (same sizes), on this
     thread and one more, hashing each value as it is copied when there is a ``hasher`` and
     reporting ``on_value(i, digest)`` as each value lands. The largest values go first, so the
-    two threads end together."""
+    two threads end together. ``timed=False``: the copies' times would not say how fast each
+    way copies (buffers whose pages may fault in as they are written), and the process's
+    choice of way does not count them. ``into_store``: the buffers are a store's memory (a save),
+    whose copy ways the process chooses apart from those of copies out of a store."""
     units: list[tuple[int, int, int]] = []
     for i in sorted(jobs, key=lambda j: -buffers[j].nbytes):
         n = buffers[i].nbytes
@@ -63,10 +68,15 @@ def fill(
             for i, a, b in queue:  # (next() on a list iterator is atomic under the GIL)
                 if failure:
                     return
+                source = sources[i]
+                assert source is not None  # (jobs name values that exist)
                 if hasher is not None:  # (a whole value: a == 0, b == its size)
-                    digest: int | None = copy_and_hash(buffers[i], sources[i], hasher())  # type: ignore[arg-type]
+                    digest: int | None = copy_and_hash(
+                        buffers[i], source, hasher(), timed, into_store
+                    )
                 else:
-                    copy_into(_array(buffers[i])[a:b].data, _array(sources[i])[a:b].data)  # type: ignore[arg-type]
+                    piece = _array(source)[a:b].data
+                    copy_into(_array(buffers[i])[a:b].data, piece, timed, into_store)
                     digest = None
                     with lock:
                         left[i] -= 1
@@ -188,9 +198,11 @@ def fill_new_pages(
         # (untimed: beside the other thread's write(), this copy's time says little about how
         # the way runs on both threads, which is what the process's choice is for)
         if hasher is not None:
-            digest: int | None = copy_and_hash(rooms[i], sources[i], hasher(), timed=False)
+            digest: int | None = copy_and_hash(
+                rooms[i], sources[i], hasher(), timed=False, into_store=True
+            )
         else:
-            copy_into(rooms[i], sources[i], timed=False)
+            copy_into(rooms[i], sources[i], timed=False, into_store=True)
             digest = None
         if on_value is not None:
             on_value(i, digest)

@@ -62,7 +62,9 @@ DEFAULT_PART_BYTES = 4 * 1024 * 1024 - 64
 _HASH_PIECE = 1024 * 1024
 
 
-def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher, timed: bool = True) -> int:
+def copy_and_hash(
+    dest: memoryview, src: memoryview, hasher: Hasher, timed: bool = True, into_store: bool = False
+) -> int:
     """Copy ``src`` into ``dest`` and return the digest of its bytes, fed to ``hasher``, in one
     pass over memory instead of two. A fresh xxh3 hasher (the format's checksum) may be replaced
     by the compiled loop (``_copy_ways.NATIVE_WAYS``: with ordinary or non-temporal stores,
@@ -73,9 +75,10 @@ def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher, timed: bool
     hashes each value on a second thread while LMDB copies it, ``_parallel.HashesAlongside``).
     The way and the piece size are the process's ``COPY_HASH_WAY``, chosen by timing its first
     verified values (``timed=False``: a copy that is not one of two alike running at once,
-    whose time would mislead the choice, uses the way without timing it). Every way releases
-    the GIL (the native loop, numpy's copy, xxhash), so several threads can run it at once."""
-    choice = _copy_ways.COPY_HASH_WAY
+    whose time would mislead the choice, uses the way without timing it); a copy into a store
+    (``into_store``, a save) uses ``SAVE_COPY_HASH_WAY``, chosen apart. Every way releases the
+    GIL (the native loop, numpy's copy, xxhash), so several threads can run it at once."""
+    choice = _copy_ways.SAVE_COPY_HASH_WAY if into_store else _copy_ways.COPY_HASH_WAY
     native = _copy_ways.NATIVE_COPY_HASH
     usable = native is not None and _fresh_xxh3(hasher)
     # Values the native loop cannot copy are not timed where it is a candidate: its turns
@@ -102,12 +105,14 @@ def copy_and_hash(dest: memoryview, src: memoryview, hasher: Hasher, timed: bool
     return digest
 
 
-def copy_into(dest: memoryview, src: memoryview, timed: bool = True) -> None:
+def copy_into(
+    dest: memoryview, src: memoryview, timed: bool = True, into_store: bool = False
+) -> None:
     """Copy ``src`` into ``dest`` (the same number of bytes), unverified: with numpy's copy or,
     for a value of ``STREAM_MIN_BYTES`` or more, the compiled copy with non-temporal stores,
-    whichever the process's ``COPY_WAY`` chose by timing its first values (not this one's,
-    with ``timed=False``). Releases the GIL."""
-    choice = _copy_ways.COPY_WAY
+    whichever the process's ``COPY_WAY`` (``SAVE_COPY_WAY`` with ``into_store``) chose by
+    timing its first values (not this one's, with ``timed=False``). Releases the GIL."""
+    choice = _copy_ways.SAVE_COPY_WAY if into_store else _copy_ways.COPY_WAY
     stream = _copy_ways.NATIVE_STREAM_COPY
     trying = choice.trial(src.nbytes) if timed else None
     way = trying or choice.way()

@@ -40,7 +40,7 @@ from ..urls import (
     take_option,
     validate_prefix,
 )
-from . import _lmdb_reserve
+from . import _copy_ways, _lmdb_reserve
 from ._lmdb_env import _SharedEnv
 from ._pages import (
     _POPULATE_MIN_PIECE,
@@ -562,7 +562,9 @@ class LMDBEngine(Engine):
             hasher, on_value = hashes.hasher, hashes.on_value
             report = lambda i, digest: on_value(first + reserved[i][0], digest)  # noqa: E731
         if not (new_pages and self._fill_new_pages(sources, rooms, hasher, report)):
-            fill(sources, rooms, range(len(reserved)), hasher, report)
+            choice = _copy_ways.SAVE_COPY_WAY if hasher is None else _copy_ways.SAVE_COPY_HASH_WAY
+            timed = choice.chosen is None and self._mapped(rooms)
+            fill(sources, rooms, range(len(reserved)), hasher, report, timed, into_store=True)
         key = batch[reserved[0][0]][0]
         if not _lmdb_reserve.confirm(lambda: txn.get(key), sources[0]):
             # Never seen: LMDB's reserved room did not read back as written. Put every value
@@ -571,6 +573,15 @@ class LMDBEngine(Engine):
                 if hashes is not None:
                     hashes.alongside(first + j, batch[j][1])
                 txn.put(*batch[j])
+
+    def _mapped(self, rooms: list[memoryview]) -> bool:
+        """Whether every room lies in pages this process has mapped in (``populated``), where
+        copying into them faults nothing: only such copies time the process's copy ways."""
+        shared = self._env
+        offsets = file_offsets(shared.data_file, [address_of(room) for room in rooms])
+        return offsets is not None and all(
+            at + room.nbytes <= shared.populated for at, room in zip(offsets, rooms, strict=True)
+        )
 
     def _fill_new_pages(
         self,
