@@ -69,9 +69,8 @@ def piece_line(r: dict[str, Any]) -> list[str]:
     if "copy_way" in r:
         lines.append(_choice_line("the unverified LMDB load's copy", r["copy_way"]))
     if "save_copy_hash_way" in r:
-        lines.append(
-            _choice_line("the checksummed LMDB save's copy-and-hash", r["save_copy_hash_way"])
-        )
+        saves = r["save_copy_hash_way"]
+        lines.append(_choice_line("the checksummed LMDB save's copy-and-hash", saves, "saves"))
     return lines
 
 

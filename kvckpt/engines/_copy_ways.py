@@ -1,7 +1,8 @@
-"""How a load copies each value out of a store, and hashes it when it verifies: chosen by
-timing on this machine.
+"""How a load copies each value out of a store, and hashes it when it verifies, and how a save
+copies each value into LMDB's map and hashes it: chosen by timing on this machine.
 
-A verified load copies each value out of the store and hashes it. Done as two passes, memory is
+A verified load copies each value out of the store and hashes it (a checksummed save into
+reserved room, each value into the store). Done as two passes, memory is
 read twice; done together, once. There are three ways to do it together:
 
 - **native**: the compiled loop of ``kvckpt.engines._copy_hash`` (``csrc/``), built when kvckpt
