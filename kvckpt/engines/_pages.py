@@ -22,6 +22,16 @@ _MIB = 1 << 20
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _populate_ok = sys.platform == "linux"
+
+
+def _libc_madvise() -> Any:
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_madvise = _libc_madvise() if _populate_ok else None
 #: Threads that map pages in at once: the kernel allocates, zeroes and maps each page, and
 #: several threads do that in parallel (on a tmpfs, two threads take about half the time).
 _POPULATE_THREADS = 4
@@ -59,7 +69,8 @@ def _populate_write(data_file: str, offset: int, length: int, threads: int = 0) 
     systems, old kernels, no room, anything off), and then LMDB's writes fault pages in.
     ``threads``: how many threads share the work (0: as many as pay off here)."""
     global _populate_ok
-    if not _populate_ok:
+    madvise = _madvise
+    if not _populate_ok or madvise is None:
         return False
     real = os.path.realpath(data_file)
     try:
@@ -74,15 +85,13 @@ def _populate_write(data_file: str, offset: int, length: int, threads: int = 0) 
         length = min(length, end - start - offset)
         if length <= 0:
             return False
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         n = threads or max(1, min(_POPULATE_THREADS, _cpus(), length // _POPULATE_MIN_PIECE))
         page = mmap.PAGESIZE
         piece = -(-length // n // page) * page
         errnos: list[int] = []
 
         def populate(at: int, size: int) -> None:
-            if size > 0 and libc.madvise(start + at, size, _MADV_POPULATE_WRITE) != 0:
+            if size > 0 and madvise(start + at, size, _MADV_POPULATE_WRITE) != 0:
                 errnos.append(ctypes.get_errno())
 
         pieces = [(offset + i * piece, min(piece, length - i * piece)) for i in range(n)]
@@ -122,19 +131,9 @@ def mount_of(path: str) -> tuple[str, str, list[str]]:
 
 
 def _on_tmpfs(path: str) -> bool:
-    """Whether ``path`` lies on a tmpfs (where ``fallocate`` is the expensive part: it
-    allocates and zeroes every page, in one thread)."""
+    """Whether ``path`` lies on a tmpfs (where every new page costs a host allocation, and a
+    page first written through a memory map a fault and zeroing it besides)."""
     return mount_of(path)[1] == "tmpfs"
-
-
-def _libc() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise.restype = ctypes.c_int
-    return libc
-
-
-_madvise = _libc().madvise if sys.platform == "linux" else None
 
 
 def file_offsets(data_file: str, addresses: Sequence[int]) -> list[int] | None:
