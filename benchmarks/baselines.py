@@ -292,12 +292,12 @@ class NewFileWrites:
 
     def write_map_t2(self) -> None:
         path = self.files[0]
-        offsets = list(itertools.accumulate((p.nbytes for p in self.parts), initial=0))
+        offsets = list(itertools.accumulate((p.nbytes for p in self.parts), initial=0))[:-1]
         with open(path, "w+b") as f:
             os.posix_fallocate(f.fileno(), 0, self.size)
             with mmap.mmap(f.fileno(), self.size) as mm:
                 view = memoryview(mm)
-                rooms = [view[a : a + p.nbytes] for a, p in zip(offsets, self.parts, strict=False)]
+                rooms = [view[a : a + p.nbytes] for a, p in zip(offsets, self.parts, strict=True)]
                 try:
                     # the routine an LMDB store's first save writes its new pages with
                     fill_new_pages(self.parts, rooms, offsets, f.fileno(), None, None, map_in)

@@ -577,11 +577,14 @@ class LMDBEngine(Engine):
     def _mapped(self, rooms: list[memoryview]) -> bool:
         """Whether every room lies in pages this process has mapped in (``populated``), where
         copying into them faults nothing: only such copies time the process's copy ways."""
-        shared = self._env
-        offsets = file_offsets(shared.data_file, [address_of(room) for room in rooms])
+        offsets = self._file_offsets(rooms)
         return offsets is not None and all(
-            at + room.nbytes <= shared.populated for at, room in zip(offsets, rooms, strict=True)
+            at + room.nbytes <= self._env.populated for at, room in zip(offsets, rooms, strict=True)
         )
+
+    def _file_offsets(self, rooms: list[memoryview]) -> list[int] | None:
+        """Where each room lies in the store's data file (None where one cannot be found)."""
+        return file_offsets(self._env.data_file, [address_of(room) for room in rooms])
 
     def _fill_new_pages(
         self,
@@ -592,11 +595,10 @@ class LMDBEngine(Engine):
     ) -> bool:
         """``fill_new_pages`` into rooms whose pages the file does not have yet; False where
         the rooms' places in the file cannot be found (``fill`` then copies as usual)."""
-        data_file = self._env.data_file
-        offsets = file_offsets(data_file, [address_of(room) for room in rooms])
+        offsets = self._file_offsets(rooms)
         if offsets is None:
             return False
-        fd = os.open(data_file, os.O_WRONLY | os.O_CLOEXEC)
+        fd = os.open(self._env.data_file, os.O_WRONLY | os.O_CLOEXEC)
         try:
             fill_new_pages(sources, rooms, offsets, fd, hasher, report, map_in)
         except OSError as e:
